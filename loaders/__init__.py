@@ -1,0 +1,33 @@
+"""Read Hugging Face safetensors checkpoints straight into HSDP-sharded models.
+
+Knows files, names, shapes and dtypes; the sharding itself is ``shard_engine``'s.
+"""
+
+from loaders.errors import (
+    CheckpointError,
+    CorruptFileError,
+    DTypeMismatchError,
+    MissingConfigError,
+    MissingTensorError,
+    RemoteRankError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+)
+from loaders.stats import LoadStats
+from loaders.streaming import READ_MODES, LoadedModel, load_hsdp_model, shard_rows
+
+__all__ = [
+    "READ_MODES",
+    "CheckpointError",
+    "CorruptFileError",
+    "DTypeMismatchError",
+    "LoadStats",
+    "LoadedModel",
+    "MissingConfigError",
+    "MissingTensorError",
+    "RemoteRankError",
+    "ShapeMismatchError",
+    "UnexpectedTensorError",
+    "load_hsdp_model",
+    "shard_rows",
+]

@@ -1,0 +1,96 @@
+"""A Hugging Face checkpoint directory: its config, its safetensors files and what they hold."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from loaders.errors import CheckpointError, CorruptFileError, MissingConfigError
+from loaders.safetensors_io import TensorInfo, read_header
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class CheckpointFiles:
+    """The files of a checkpoint, in the order the index lists them, with their headers."""
+
+    directory: str
+    files: list[str]  # absolute paths
+    tensors: dict[str, tuple[str, TensorInfo]]  # checkpoint key -> (file, info)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(info.nbytes for _, info in self.tensors.values())
+
+    def dominant_dtype(self) -> torch.dtype | None:
+        counts: dict[torch.dtype, int] = {}
+        for _, info in self.tensors.values():
+            if info.dtype.is_floating_point:
+                counts[info.dtype] = counts.get(info.dtype, 0) + info.nbytes
+        return max(counts, key=counts.get) if counts else None
+
+
+def load_config(model_dir: str):
+    """The transformers config of ``model_dir``, from local files only."""
+    from transformers import AutoConfig
+
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isdir(model_dir):
+        raise MissingConfigError("model directory does not exist or is not a directory", path=model_dir)
+    if not os.path.isfile(path):
+        raise MissingConfigError("model directory has no config.json", path=path)
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise MissingConfigError(f"cannot read config.json: {e}", path=path) from e
+
+
+def list_checkpoint_files(model_dir: str) -> CheckpointFiles:
+    """Read the index (or the single file) and every header; validate that they agree."""
+    index_path = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CorruptFileError(f"malformed index: {e}", path=index_path) from e
+        names = list(dict.fromkeys(weight_map.values()))  # first-appearance order
+    elif os.path.isfile(os.path.join(model_dir, SINGLE_FILE)):
+        weight_map, names = None, [SINGLE_FILE]
+    else:
+        if any(n.endswith((".bin", ".pt", ".pth")) for n in os.listdir(model_dir)):
+            raise CheckpointError("only safetensors checkpoints are loaded, never pickle files", path=model_dir)
+        raise CheckpointError(f"no {INDEX_FILE} or {SINGLE_FILE}", path=model_dir)
+    files: list[str] = []
+    tensors: dict[str, tuple[str, TensorInfo]] = {}
+    for name in names:
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            raise CorruptFileError("file listed in the index is missing", path=path)
+        files.append(path)
+        for key, info in read_header(path).items():
+            if weight_map is not None and weight_map.get(key) != name:
+                # The index is authoritative; a stray copy elsewhere is not read.
+                continue
+            if key in tensors:
+                raise CheckpointError(f"tensor also stored in {tensors[key][0]}", path=path, tensor=key)
+            tensors[key] = (path, info)
+    if weight_map is not None:
+        for key, name in weight_map.items():
+            if key not in tensors:
+                raise CorruptFileError(
+                    "tensor listed in the index is not in its file", path=os.path.join(model_dir, name), tensor=key
+                )
+    return CheckpointFiles(model_dir, files, tensors)
+
+
+def has_tokenizer(model_dir: str) -> bool:
+    return any(os.path.isfile(os.path.join(model_dir, n)) for n in TOKENIZER_FILES)

@@ -1,0 +1,119 @@
+"""Read rows of tensors from a safetensors file with positioned reads.
+
+We parse the header ourselves and ``pread`` exactly the bytes of the rows a rank owns into
+memory we allocate. ``safe_open(...).get_slice`` reads the same rows, but through a memory
+map whose touched pages stay in the process's resident set until the file is closed: a
+rank reading its half of a large file would count that half twice.
+Format: 8-byte little-endian header length, a JSON header, then the raw data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from loaders.errors import CorruptFileError
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "BOOL": torch.bool,
+}
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.dtype.itemsize if self.shape else self.nbytes
+
+
+def read_header(path: str) -> dict[str, TensorInfo]:
+    """Parse and validate the header of ``path``; CorruptFileError names what is wrong."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CorruptFileError("file too short for a safetensors header", path=path)
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > min(_MAX_HEADER_BYTES, size - 8):
+                raise CorruptFileError(f"header length {header_len} exceeds the file", path=path)
+            raw = f.read(header_len)
+    except OSError as e:
+        raise CorruptFileError(f"cannot read safetensors file: {e.strerror or e}", path=path) from e
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptFileError(f"malformed safetensors header: {e}", path=path) from e
+    if not isinstance(header, dict):
+        raise CorruptFileError("malformed safetensors header: not a JSON object", path=path)
+    data_start = 8 + header_len
+    data_len = size - data_start
+    infos: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptFileError(f"malformed header entry: {e!r}", path=path, tensor=name) from e
+        if any(d < 0 for d in shape) or begin < 0 or end < begin:
+            raise CorruptFileError("invalid shape or offsets in header", path=path, tensor=name)
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise CorruptFileError(
+                f"header gives {end - begin} bytes for shape {list(shape)} {dtype}", path=path, tensor=name
+            )
+        if end > data_len:
+            raise CorruptFileError(
+                f"file is truncated: tensor data ends at byte {data_start + end} of {size}",
+                path=path,
+                tensor=name,
+            )
+        infos[name] = TensorInfo(name, dtype, shape, data_start + begin, end - begin)
+    return infos
+
+
+def read_rows(fd: int, info: TensorInfo, start: int, stop: int, *, path: str) -> torch.Tensor:
+    """Rows ``[start, stop)`` of ``info`` along dim 0 (the whole tensor when it has no dims)."""
+    if info.shape:
+        shape = (stop - start, *info.shape[1:])
+        offset, nbytes = info.start + start * info.row_bytes, (stop - start) * info.row_bytes
+    else:
+        shape, offset, nbytes = (), info.start, info.nbytes
+    out = torch.empty(shape, dtype=info.dtype)
+    if nbytes:
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < nbytes:
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CorruptFileError("unexpected end of file while reading", path=path, tensor=info.name)
+            done += n
+    return out

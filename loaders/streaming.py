@@ -1,0 +1,390 @@
+"""Stream a safetensors checkpoint into an HSDP-sharded model, one FSDP unit at a time.
+
+Every rank calls :func:`load_hsdp_model`. The skeleton is built with meta parameters; the
+loader knows, per FSDP unit, the exact tensor names it expects, and shards a unit the moment
+its last tensor arrives, whatever order files and tensors come in. The root is sharded last.
+No collective runs while files are read: ranks only agree, twice, that no rank failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.tensor import DTensor
+from tqdm import tqdm
+
+from loaders.checkpoint import has_tokenizer, list_checkpoint_files, load_config
+from loaders.errors import (
+    CheckpointError,
+    DTypeMismatchError,
+    MissingTensorError,
+    RemoteRankError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+)
+from loaders.safetensors_io import read_rows
+from loaders.skeleton import build_skeleton, describe_layout, match_key_prefix
+from loaders.stats import LoadStats, read_proc_status, reset_peak_rss
+from shard_engine import (
+    HSDPInferenceConfig,
+    HSDPShardContext,
+    default_device,
+    finalize_hsdp_root,
+    prepare_hsdp_shard_context,
+    select_units,
+    shard_hsdp_module,
+)
+
+logger = logging.getLogger(__name__)
+READ_MODES = ("sliced", "full")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object | None
+    config: object
+    stats: LoadStats
+    context: HSDPShardContext
+
+
+@dataclass(eq=False)
+class _Unit:
+    name: str  # "" for the root
+    module: nn.Module
+    remaining: set[str] = field(default_factory=set)
+    children: list[_Unit] = field(default_factory=list)
+    parent: _Unit | None = None
+    pending: dict[str, torch.Tensor] = field(default_factory=dict)
+    done: bool = False
+
+    def owns(self, fqn: str) -> bool:
+        return not self.name or fqn == self.name or fqn.startswith(self.name + ".")
+
+
+def shard_rows(num_rows: int, shard_size: int, shard_rank: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of dim 0 that FSDP2 places on ``shard_rank`` (torch.chunk split)."""
+    chunk = -(-num_rows // shard_size)
+    start = min(shard_rank * chunk, num_rows)
+    return start, min(start + chunk, num_rows)
+
+
+def _resolve_dtype(dtype, config, files) -> tuple[torch.dtype, bool]:
+    """The skeleton's dtype, and whether checkpoint tensors may be cast to it."""
+    if dtype is not None and dtype != "auto":
+        return (getattr(torch, dtype) if isinstance(dtype, str) else dtype), True
+    configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(configured, str):
+        configured = getattr(torch, configured, None)
+    return configured or files.dominant_dtype() or torch.float32, False
+
+
+def _agree(error: BaseException | None, stage: str) -> None:
+    """Raise on every rank if any rank failed (one all_gather_object over the default group).
+
+    Every rank reaches this call on success and on failure alike, so none is left waiting.
+    """
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if error is not None:
+            raise error
+        return
+    sendable = error
+    if error is not None and not isinstance(error, CheckpointError):
+        sendable = CheckpointError(f"{type(error).__name__}: {error}")
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sendable)
+    if error is not None:
+        raise error
+    for rank, remote in enumerate(gathered):
+        if remote is not None:
+            exc = remote if isinstance(remote, CheckpointError) else RemoteRankError(str(remote))
+            exc.add_note(f"raised on rank {rank} during {stage}; rank {dist.get_rank()} stops too")
+            raise exc
+
+
+class _StreamingLoad:
+    """One load: plan the units, stream the files, shard each unit as it completes."""
+
+    def __init__(self, model: nn.Module, context: HSDPShardContext, files, *, read_mode, may_cast, stats):
+        self.model, self.context, self.files = model, context, files
+        self.read_mode, self.may_cast, self.stats = read_mode, may_cast, stats
+        self.layout = describe_layout(model)
+        self.strip, self.add = match_key_prefix(model, set(files.tensors), set(self.layout.expected))
+        shard_mesh = context.mesh["shard"]
+        self.shard_size, self.shard_rank = shard_mesh.size(), shard_mesh.get_local_rank()
+        # Sharded parameters materialise on the host when FSDP offloads them there.
+        offloaded = isinstance(context.offload_policy, CPUOffloadPolicy)
+        self.local_device = torch.device("cpu") if offloaded else context.target_device
+        self._plan_units()
+
+    def _plan_units(self) -> None:
+        self.root = _Unit("", self.model)
+        units = [_Unit(name, module) for name, module in select_units(self.model, self.context.shard_conditions)]
+        by_depth = sorted(units, key=lambda u: -len(u.name))
+        self.units = units + [self.root]
+
+        def owner(fqn: str, exclude: _Unit | None = None) -> _Unit:
+            return next((u for u in by_depth if u is not exclude and u.owns(fqn)), self.root)
+
+        for unit in units:
+            unit.parent = owner(unit.name, exclude=unit)
+            unit.parent.children.append(unit)
+        self.owner = {}
+        for name in self.layout.expected:
+            unit = owner(name)
+            unit.remaining.add(name)
+            self.owner[name] = unit
+        self.module_owner = {fqn: owner(fqn) for fqn, _ in self.model.named_modules() if fqn}
+
+    # -- reading ---------------------------------------------------------------------------
+    def _model_key(self, key: str) -> str | None:
+        if self.strip:
+            if not key.startswith(self.strip):
+                return None  # another class's head (transformers drops these too)
+            key = key[len(self.strip):]
+        return self.add + key
+
+    def _is_sharded(self, name: str) -> bool:
+        t = self.layout.expected[name]
+        return isinstance(t, nn.Parameter) and t.dim() > 0 and name not in self.context.ignored_param_names
+
+    def run(self) -> None:
+        for unit in self.units:  # units with nothing to read (all tied, say) complete at once
+            if not unit.remaining and not unit.children:
+                self._complete(unit)
+        total = sum(info.nbytes for _, info in self.files.tensors.values())
+        bar = tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc="loading",
+            disable=not _is_rank_zero(),
+            mininterval=1.0,
+        )
+        with bar:
+            for path in self.files.files:
+                bar.set_postfix_str(os.path.basename(path), refresh=False)
+                self._read_file(path, bar)
+        missing = sorted(set().union(*(u.remaining for u in self.units)))
+        if missing:
+            raise MissingTensorError(
+                f"{len(missing)} tensor(s) missing from the checkpoint, first: {missing[:5]}",
+                path=self.files.directory,
+                tensor=missing[0],
+            )
+        assert self.root.done, "every tensor arrived but the root was not sharded"
+
+    def _read_file(self, path: str, bar) -> None:
+        entries = sorted(
+            ((key, info) for key, (p, info) in self.files.tensors.items() if p == path), key=lambda e: e[1].start
+        )
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for key, info in entries:
+                self._read_tensor(fd, path, key, info)
+                bar.update(info.nbytes)
+        finally:
+            os.close(fd)
+        self.stats.files_read += 1
+
+    def _read_tensor(self, fd: int, path: str, key: str, info) -> None:
+        name = self._model_key(key)
+        if name is None:
+            return
+        if name in self.layout.aliases:
+            name = self.layout.aliases[name]
+            if self.owner[name].done or name not in self.owner[name].remaining:
+                return  # tied copy of a tensor already read
+        expected = self.layout.expected.get(name)
+        if expected is None:
+            if any(p.search(name) for p in self.layout.ignore_unexpected):
+                return
+            raise UnexpectedTensorError("the model has no parameter or buffer of this name", path=path, tensor=key)
+        if tuple(expected.shape) != info.shape:
+            raise ShapeMismatchError(
+                f"checkpoint shape {list(info.shape)} != model shape {list(expected.shape)}", path=path, tensor=key
+            )
+        if expected.dtype != info.dtype and not (
+            self.may_cast and expected.dtype.is_floating_point and info.dtype.is_floating_point
+        ):
+            raise DTypeMismatchError(
+                f"checkpoint dtype {info.dtype} != model dtype {expected.dtype} (pass dtype= to cast)",
+                path=path,
+                tensor=key,
+            )
+        if self.read_mode == "sliced" and self._is_sharded(name):
+            start, stop = shard_rows(info.shape[0], self.shard_size, self.shard_rank)
+        else:
+            start, stop = 0, (info.shape[0] if info.shape else 0)
+        data = read_rows(fd, info, start, stop, path=path)
+        self.stats.bytes_read += data.numel() * info.dtype.itemsize
+        self.stats.tensors_read += 1
+        unit = self.owner[name]
+        unit.pending[name] = data.to(expected.dtype)
+        unit.remaining.discard(name)
+        self.stats.events.append(("tensor", name))
+        if not unit.remaining:
+            self._complete(unit)
+
+    # -- sharding --------------------------------------------------------------------------
+    def _complete(self, unit: _Unit) -> None:
+        if unit.remaining or any(not c.done for c in unit.children):
+            return
+        with self.stats.phase("shard"):
+            if self.read_mode == "sliced":
+                self._shard(unit)  # on meta: only the rows this rank owns are ever allocated
+                self._materialize(unit, self.local_device)
+                self._write(unit)
+            else:
+                self._materialize(unit, self.context.target_device)
+                self._write(unit)
+                self._shard(unit)  # fully_shard chunks the full tensors and frees them
+        unit.pending.clear()
+        unit.done = True
+        self.stats.units_sharded += 1
+        self.stats.events.append(("shard", unit.name))
+        if unit.parent is not None:
+            self._complete(unit.parent)
+
+    def _shard(self, unit: _Unit) -> None:
+        if unit is self.root:
+            finalize_hsdp_root(self.model, self.context)
+        else:
+            shard_hsdp_module(unit.module, self.context)
+
+    def _materialize(self, unit: _Unit, device: torch.device) -> None:
+        """Allocate the unit's own parameters (not its nested units') and place its buffers."""
+        modules = [self.model] if unit is self.root else []
+        modules += [m for fqn, m in self.model.named_modules() if fqn and self.module_owner[fqn] is unit]
+        materialized: dict[int, nn.Parameter] = {}  # keeps tied parameters tied
+        for module in modules:
+            buffers, before = dict(module._buffers), dict(module._parameters)
+            module.to_empty(device=device, recurse=False)
+            for key, old in before.items():
+                if old is None:
+                    continue
+                if id(old) in materialized:
+                    module._parameters[key] = materialized[id(old)]
+                else:
+                    materialized[id(old)] = module._parameters[key]
+            for key, buf in buffers.items():
+                # to_empty wiped them; non-persistent ones are not in the checkpoint.
+                if buf is not None:
+                    module._buffers[key] = buf.to(self.context.target_device)
+            for p in module._parameters.values():
+                if p is not None and not isinstance(p, DTensor) and p.device != self.context.target_device:
+                    p.data = p.data.to(self.context.target_device)
+
+    @torch.no_grad()
+    def _write(self, unit: _Unit) -> None:
+        for name, data in unit.pending.items():
+            module_name, _, attr = name.rpartition(".")
+            target = getattr(self.model.get_submodule(module_name), attr)
+            if isinstance(target, DTensor):
+                local = target._local_tensor  # to_local() is an autograd view: no in-place copy
+                assert tuple(local.shape) == tuple(data.shape), (
+                    f"{name}: rows read {tuple(data.shape)} != FSDP shard {tuple(local.shape)}"
+                )
+                local.copy_(data)
+            else:
+                target.copy_(data)
+
+
+def _is_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def load_hsdp_model(
+    model_dir: str,
+    hsdp_config: HSDPInferenceConfig,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    model_class=None,
+    read_mode: str = "sliced",
+) -> LoadedModel:
+    """Load a local safetensors checkpoint straight into an HSDP-sharded model.
+
+    Every rank calls this with the same arguments. ``dtype=None`` keeps the checkpoint's dtype
+    (a tensor of another dtype is an error); a ``dtype`` casts floating tensors to it.
+    ``read_mode="sliced"`` reads only this rank's rows of each sharded tensor; ``"full"``
+    reads whole tensors and lets ``fully_shard`` chunk them.
+    """
+    if read_mode not in READ_MODES:
+        raise ValueError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    hsdp_config.resolve_mesh_shape(world_size)  # a mesh that does not fit fails before any read
+    if not dist.is_initialized():
+        raise RuntimeError("load_hsdp_model needs torch.distributed initialised (world size 1 is fine)")
+    device = torch.device(device) if device is not None else default_device()
+    if model_class is None:
+        from transformers import AutoModelForCausalLM as model_class
+    stats = LoadStats(read_mode=read_mode, rss_before_bytes=read_proc_status("VmRSS"))
+    reset_peak_rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    error = None
+    try:
+        with stats.phase("preflight"):
+            config = load_config(model_dir)
+            files = list_checkpoint_files(model_dir)
+            stats.checkpoint_bytes = files.total_bytes
+            skeleton_dtype, may_cast = _resolve_dtype(dtype, config, files)
+        with stats.phase("skeleton"):
+            model = build_skeleton(config, model_class, skeleton_dtype)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it, see _agree
+        error = e
+    _agree(error, "preflight")
+
+    with stats.phase("mesh"):
+        context = prepare_hsdp_shard_context(model, hsdp_config, device)
+    error = None
+    try:
+        with stats.phase("stream"):
+            load = _StreamingLoad(model, context, files, read_mode=read_mode, may_cast=may_cast, stats=stats)
+            load.run()
+        tokenizer = _load_tokenizer(model_dir)
+        _load_generation_config(model, model_dir)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _agree(error, "streaming")
+    stats.phase_seconds["shard"] = stats.phase_seconds.get("shard", 0.0)
+    stats.phase_seconds["total"] = sum(v for k, v in stats.phase_seconds.items() if k != "shard")
+    stats.finish(device)
+    if _is_rank_zero():
+        logger.info(
+            "loaded %s: %.1f MB read by rank 0 of %.1f MB in %.2f s, %d units sharded",
+            model_dir,
+            stats.bytes_read / 1e6,
+            stats.checkpoint_bytes / 1e6,
+            stats.phase_seconds["total"],
+            stats.units_sharded,
+        )
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, stats=stats, context=context)
+
+
+def _load_tokenizer(model_dir: str):
+    if not has_tokenizer(model_dir):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot load the tokenizer: {e}", path=model_dir) from e
+
+
+def _load_generation_config(model: nn.Module, model_dir: str) -> None:
+    if not os.path.isfile(os.path.join(model_dir, "generation_config.json")) or not hasattr(model, "generation_config"):
+        return
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig.from_pretrained(model_dir, local_files_only=True)

@@ -1,0 +1,40 @@
+"""FSDP2 HSDP sharding for inference. Knows nothing of checkpoint files or HTTP.
+
+Names and semantics follow vLLM-Omni's HSDP inference helpers.
+"""
+
+from shard_engine.config import MESH_AXES, HSDPInferenceConfig, build_hsdp_mesh
+from shard_engine.sharding import (
+    HSDPShardContext,
+    apply_hsdp_to_model,
+    default_device,
+    finalize_hsdp_root,
+    hsdp_root_unsharded,
+    prepare_hsdp_shard_context,
+    shard_hsdp_module,
+    shard_model,
+)
+from shard_engine.units import (
+    default_shard_conditions,
+    detect_decoder_layer_names,
+    find_ignored_param_names,
+    select_units,
+)
+
+__all__ = [
+    "MESH_AXES",
+    "HSDPInferenceConfig",
+    "HSDPShardContext",
+    "apply_hsdp_to_model",
+    "build_hsdp_mesh",
+    "default_device",
+    "default_shard_conditions",
+    "detect_decoder_layer_names",
+    "finalize_hsdp_root",
+    "find_ignored_param_names",
+    "hsdp_root_unsharded",
+    "prepare_hsdp_shard_context",
+    "select_units",
+    "shard_hsdp_module",
+    "shard_model",
+]

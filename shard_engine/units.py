@@ -1,0 +1,127 @@
+"""Which modules become FSDP units, and which parameters stay out of FSDP.
+
+Model-agnostic: works from what a transformers model declares (``_no_split_modules``,
+``get_input_embeddings``) or, failing that, from the module tree's shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+ShardCondition = Callable[[str, nn.Module], bool]
+
+
+def detect_decoder_layer_names(model: nn.Module) -> list[str]:
+    """Qualified names of the repeated blocks (decoder layers) of ``model``.
+
+    Uses the classes in ``model._no_split_modules`` when any module matches; otherwise the
+    one homogeneous ``ModuleList`` holding the most parameters.
+    """
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    named = [(name, module) for name, module in model.named_modules() if name]
+    if no_split:
+        found = [name for name, module in named if type(module).__name__ in no_split]
+        if found:
+            return found
+    best: tuple[int, list[str]] = (0, [])
+    for name, module in named:
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        numel = sum(p.numel() for p in module.parameters())
+        if numel > best[0]:
+            best = (numel, [f"{name}.{i}" for i in range(len(module))])
+    return best[1]
+
+
+def _shares_parameters(a: nn.Module, b: nn.Module) -> bool:
+    ids = {id(p) for p in a.parameters()}
+    return any(id(p) in ids for p in b.parameters())
+
+
+def default_shard_conditions(model: nn.Module) -> list[ShardCondition]:
+    """Decoder layers, plus the input and output embeddings when they are untied.
+
+    Tied embeddings (``tie_word_embeddings``) share one parameter, which FSDP2 allows in one
+    group only: they stay with the root. Untied ones get groups of their own so that their
+    gathered weights are freed after use instead of living as long as the root's.
+    """
+    names = set(detect_decoder_layer_names(model))
+    embeddings: list[nn.Module] = []
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    emb_in = get_in() if callable(get_in) else None
+    emb_out = get_out() if callable(get_out) else None
+    if emb_in is not None and emb_out is not None and _shares_parameters(emb_in, emb_out):
+        emb_in = emb_out = None
+    for module in (emb_in, emb_out):
+        if isinstance(module, nn.Module) and any(True for _ in module.parameters()):
+            embeddings.append(module)
+    # Embeddings inside a decoder-layer-class module (e.g. BertEmbeddings) are covered by it.
+    layer_prefixes = tuple(f"{n}." for n in names)
+    embedding_names = {
+        name
+        for name, module in model.named_modules()
+        if any(module is e for e in embeddings) and not name.startswith(layer_prefixes)
+    }
+    selected = names | embedding_names
+    return [lambda name, module, selected=frozenset(selected): name in selected]
+
+
+def select_units(model: nn.Module, conditions: Iterable[ShardCondition]) -> list[tuple[str, nn.Module]]:
+    """Modules matching any condition, children before parents (the order ``fully_shard`` needs)."""
+    conditions = list(conditions)
+    matched = [
+        (name, module)
+        for name, module in model.named_modules()
+        if name and any(cond(name, module) for cond in conditions)
+    ]
+    # named_modules() is pre-order: reversing puts every child before its ancestors.
+    return list(reversed(matched))
+
+
+def _dominant_dtype(params: Iterable[tuple[str, nn.Parameter]]) -> torch.dtype | None:
+    counts: Counter[torch.dtype] = Counter()
+    for _, p in params:
+        if p.is_floating_point():
+            counts[p.dtype] += p.numel()
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def find_ignored_param_names(model: nn.Module) -> set[str]:
+    """Names of parameters FSDP must not manage; they stay replicated in their own dtype.
+
+    0-dim parameters, non-floating (packed integer) parameters, floating parameters whose
+    dtype is not the model's dominant one (by element count), and every parameter of the
+    modules named in ``model._hsdp_ignored_modules``.
+    """
+    params = list(model.named_parameters())
+    dominant = _dominant_dtype(params)
+    ignored: set[str] = set()
+    off_dtype: list[str] = []
+    for name, p in params:
+        if p.dim() == 0 or not p.is_floating_point():
+            ignored.add(name)
+        elif p.dtype != dominant:
+            ignored.add(name)
+            off_dtype.append(f"{name} ({p.dtype})")
+    if off_dtype:
+        logger.warning(
+            "Keeping %d parameter(s) replicated because their dtype differs from the model's "
+            "dominant %s: %s",
+            len(off_dtype),
+            dominant,
+            ", ".join(off_dtype),
+        )
+    for module_name in getattr(model, "_hsdp_ignored_modules", None) or ():
+        module = model.get_submodule(module_name)
+        ignored.update(f"{module_name}.{n}" for n, _ in module.named_parameters())
+    return ignored
