@@ -1,0 +1,20 @@
+# The two commands of the README: `make serve` and `make test`. Both install what they need first.
+PYTHON ?= python3
+STAMP := .install-stamp
+
+.PHONY: install serve test bench-load
+
+$(STAMP): pyproject.toml scripts/install.sh
+	PYTHON=$(PYTHON) scripts/install.sh
+	touch $@
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(PYTHON) -m server.load_report $(ARGS)
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q $(ARGS)
+
+bench-load: $(STAMP)
+	$(PYTHON) -m benchmarks.load $(ARGS)

@@ -1,0 +1,168 @@
+"""Every load error is a named exception, raised on every rank, within a bounded time."""
+
+import json
+import os
+import shutil
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.dist import run_ranks, values
+
+INDEX = "model.safetensors.index.json"
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def _index(path):
+    with open(os.path.join(path, INDEX)) as f:
+        return json.load(f)
+
+
+def _rewrite(path, key, change):
+    """Apply ``change(tensors)`` to the file holding ``key``; keep the index in step."""
+    index = _index(path)
+    fname = index["weight_map"][key]
+    tensors = load_file(os.path.join(path, fname))
+    change(tensors)
+    save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != fname}
+    index["weight_map"].update({k: fname for k in tensors})
+    with open(os.path.join(path, INDEX), "w") as f:
+        json.dump(index, f)
+    return fname
+
+
+def make_broken_checkpoints(good, root):
+    """{case: (directory, expected error class name, expected file basename, expected tensor)}."""
+    cases = {}
+    key = "model.layers.1.mlp.down_proj.weight"
+
+    d = _copy(good, root / "missing")
+    f = _rewrite(d, key, lambda t: t.pop(key))
+    cases["missing_tensor"] = (d, "MissingTensorError", None, key)
+
+    d = _copy(good, root / "unexpected")
+    f = _rewrite(d, key, lambda t: t.update({"model.layers.1.mlp.extra.weight": torch.zeros(3)}))
+    cases["unexpected_tensor"] = (d, "UnexpectedTensorError", f, "model.layers.1.mlp.extra.weight")
+
+    d = _copy(good, root / "shape")
+    f = _rewrite(d, key, lambda t: t.update({key: t[key][:, :-1].contiguous()}))
+    cases["shape_mismatch"] = (d, "ShapeMismatchError", f, key)
+
+    d = _copy(good, root / "dtype")
+    f = _rewrite(d, key, lambda t: t.update({key: t[key].half()}))
+    cases["dtype_mismatch"] = (d, "DTypeMismatchError", f, key)
+
+    d = _copy(good, root / "truncated")
+    f = _index(d)["weight_map"][key]
+    with open(os.path.join(d, f), "r+b") as fh:
+        fh.truncate(os.path.getsize(os.path.join(d, f)) - 100)
+    cases["truncated_file"] = (d, "CorruptFileError", f, None)
+
+    d = _copy(good, root / "header")
+    with open(os.path.join(d, f), "r+b") as fh:
+        fh.seek(8)
+        fh.write(b"{not json at all")
+    cases["corrupt_header"] = (d, "CorruptFileError", f, None)
+
+    d = _copy(good, root / "noconfig")
+    os.remove(os.path.join(d, "config.json"))
+    cases["missing_config"] = (d, "MissingConfigError", "config.json", None)
+
+    d = _copy(good, root / "pickle")
+    for name in os.listdir(d):
+        if name.endswith(".safetensors") or name == INDEX:
+            os.remove(os.path.join(d, name))
+    open(os.path.join(d, "pytorch_model.bin"), "wb").close()
+    cases["pickle_only"] = (d, "CheckpointError", None, None)
+    return cases
+
+
+def _try_loads(rank, world_size, dirs, dtype=None):
+    from loaders import CheckpointError, load_hsdp_model
+    from shard_engine import HSDPInferenceConfig
+
+    outcomes = {}
+    for case, path in dirs.items():
+        if isinstance(path, list):  # a different directory per rank
+            path = path[rank]
+        start = time.monotonic()
+        try:
+            load_hsdp_model(path, HSDPInferenceConfig(), dtype=dtype)
+            outcomes[case] = ("ok", None, None, time.monotonic() - start)
+        except CheckpointError as e:
+            outcomes[case] = (type(e).__name__, e.path, e.tensor, time.monotonic() - start)
+    return outcomes
+
+
+def test_each_error_is_named_and_raised_on_every_rank(tmp_path, checkpoints):
+    cases = make_broken_checkpoints(checkpoints["llama"], tmp_path)
+    results = values(run_ranks(_try_loads, 2, tmp_path, {c: v[0] for c, v in cases.items()}, timeout=240))
+    for rank, outcomes in enumerate(results):
+        for case, (_, cls, fname, tensor) in cases.items():
+            got_cls, path, got_tensor, elapsed = outcomes[case]
+            assert got_cls == cls, (rank, case, outcomes[case])
+            if fname:
+                assert path and os.path.basename(path) == fname, (rank, case, path)
+            if tensor:
+                assert got_tensor == tensor, (rank, case, got_tensor)
+            assert elapsed < 30, (rank, case, elapsed)
+
+
+def test_dtype_argument_casts_instead_of_failing(tmp_path, checkpoints):
+    cases = make_broken_checkpoints(checkpoints["llama"], tmp_path)
+    results = values(run_ranks(_try_loads, 2, tmp_path, {"dtype": cases["dtype_mismatch"][0]}, torch.float32))
+    assert all(r["dtype"][0] == "ok" for r in results)
+
+
+def test_failure_on_one_rank_reaches_every_rank(tmp_path, checkpoints):
+    """One rank's files are bad (early, at the header; late, a missing tensor): both ranks raise."""
+    good = checkpoints["llama"]
+    cases = make_broken_checkpoints(good, tmp_path)
+    dirs = {
+        "header_on_rank1": [good, cases["corrupt_header"][0]],
+        "missing_on_rank0": [cases["missing_tensor"][0], good],
+    }
+    results = values(run_ranks(_try_loads, 2, tmp_path, dirs, timeout=180))
+    assert [r["header_on_rank1"][0] for r in results] == ["CorruptFileError"] * 2
+    assert [r["missing_on_rank0"][0] for r in results] == ["MissingTensorError"] * 2
+
+
+def _bad_mesh(rank, world_size, path):
+    from loaders import load_hsdp_model
+    from shard_engine import HSDPInferenceConfig
+
+    try:
+        load_hsdp_model(path, HSDPInferenceConfig(replicate_size=3))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_mesh_that_does_not_fit_fails_before_reading(tmp_path):
+    # The directory does not exist: a ValueError (not a missing-config error) shows no file was read.
+    messages = values(run_ranks(_bad_mesh, 2, tmp_path, str(tmp_path / "nowhere"), timeout=60))
+    assert all(m and "replicate_size=3" in m and "world_size=2" in m for m in messages), messages
+
+
+def test_config_validation():
+    from shard_engine import HSDPInferenceConfig
+
+    assert HSDPInferenceConfig(replicate_size=2, shard_size=4).resolve_mesh_shape(8) == (2, 4)
+    assert HSDPInferenceConfig(replicate_size=2).resolve_mesh_shape(6) == (2, 3)
+    with pytest.raises(ValueError, match="2 x shard_size=4 = 8 does not match world_size=6"):
+        HSDPInferenceConfig(replicate_size=2, shard_size=4).resolve_mesh_shape(6)
+    with pytest.raises(ValueError, match="replicate_size"):
+        HSDPInferenceConfig(replicate_size=0)
+    with pytest.raises(ValueError, match="shard_size"):
+        HSDPInferenceConfig(shard_size=-2)
+    with pytest.raises(ValueError, match="param_dtype"):
+        HSDPInferenceConfig(param_dtype=torch.int8)
+    with pytest.raises(TypeError):
+        HSDPInferenceConfig(2, 4)  # kw_only
