@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -111,9 +112,10 @@ def _agree(error: BaseException | None, stage: str) -> None:
 class _StreamingLoad:
     """One load: plan the units, stream the files, shard each unit as it completes."""
 
-    def __init__(self, model: nn.Module, context: HSDPShardContext, files, *, read_mode, may_cast, stats):
+    def __init__(self, model: nn.Module, context: HSDPShardContext, files, *, read_mode, may_cast, stats, progress):
         self.model, self.context, self.files = model, context, files
         self.read_mode, self.may_cast, self.stats = read_mode, may_cast, stats
+        self.progress = progress
         self.layout = describe_layout(model)
         self.strip, self.add = match_key_prefix(model, set(files.tensors), set(self.layout.expected))
         shard_mesh = context.mesh["shard"]
@@ -190,6 +192,8 @@ class _StreamingLoad:
             for key, info in entries:
                 self._read_tensor(fd, path, key, info)
                 bar.update(info.nbytes)
+                if self.progress is not None:
+                    self.progress(bar.n, bar.total)
         finally:
             os.close(fd)
         self.stats.files_read += 1
@@ -239,13 +243,11 @@ class _StreamingLoad:
             return
         with self.stats.phase("shard"):
             if self.read_mode == "sliced":
-                self._shard(unit)  # on meta: only the rows this rank owns are ever allocated
-                self._materialize(unit, self.local_device)
-                self._write(unit)
+                self._shard(unit)  # on meta: no memory until the rows read are installed
+                self._install(unit)
             else:
-                self._materialize(unit, self.context.target_device)
-                self._write(unit)
-                self._shard(unit)  # fully_shard chunks the full tensors and frees them
+                self._install(unit)
+                self._shard(unit)  # fully_shard chunks the full tensors; they are freed after
         unit.pending.clear()
         unit.done = True
         self.stats.units_sharded += 1
@@ -259,42 +261,40 @@ class _StreamingLoad:
         else:
             shard_hsdp_module(unit.module, self.context)
 
-    def _materialize(self, unit: _Unit, device: torch.device) -> None:
-        """Allocate the unit's own parameters (not its nested units') and place its buffers."""
-        modules = [self.model] if unit is self.root else []
-        modules += [m for fqn, m in self.model.named_modules() if fqn and self.module_owner[fqn] is unit]
-        materialized: dict[int, nn.Parameter] = {}  # keeps tied parameters tied
-        for module in modules:
-            buffers, before = dict(module._buffers), dict(module._parameters)
-            module.to_empty(device=device, recurse=False)
-            for key, old in before.items():
+    def _install(self, unit: _Unit) -> None:
+        """Put the tensors read into the unit's own modules (not its nested units').
+
+        The tensors read become the parameters themselves, sharded ones as the local tensor of
+        a DTensor, as ``load_state_dict(assign=True)`` does: no second allocation and copy.
+        FSDP2 adopts a replaced sharded parameter at its lazy init (``reset_sharded_param``).
+        """
+        owned = [("", self.model)] if unit is self.root else []
+        owned += [(fqn, m) for fqn, m in self.model.named_modules() if fqn and self.module_owner[fqn] is unit]
+        installed: dict[int, nn.Parameter] = {}  # keeps tied parameters tied
+        for fqn, module in owned:
+            prefix = f"{fqn}." if fqn else ""
+            for key, old in module._parameters.items():
                 if old is None:
                     continue
-                if id(old) in materialized:
-                    module._parameters[key] = materialized[id(old)]
-                else:
-                    materialized[id(old)] = module._parameters[key]
-            for key, buf in buffers.items():
-                # to_empty wiped them; non-persistent ones are not in the checkpoint.
-                if buf is not None:
-                    module._buffers[key] = buf.to(self.context.target_device)
-            for p in module._parameters.values():
-                if p is not None and not isinstance(p, DTensor) and p.device != self.context.target_device:
-                    p.data = p.data.to(self.context.target_device)
+                if id(old) not in installed:
+                    name = self.layout.aliases.get(prefix + key, prefix + key)
+                    installed[id(old)] = self._as_parameter(name, old, unit.pending[name])
+                module._parameters[key] = installed[id(old)]
+            for key, buf in module._buffers.items():
+                if buf is not None:  # persistent ones were read; the others were built real
+                    module._buffers[key] = unit.pending.get(prefix + key, buf).to(self.context.target_device)
 
-    @torch.no_grad()
-    def _write(self, unit: _Unit) -> None:
-        for name, data in unit.pending.items():
-            module_name, _, attr = name.rpartition(".")
-            target = getattr(self.model.get_submodule(module_name), attr)
-            if isinstance(target, DTensor):
-                local = target._local_tensor  # to_local() is an autograd view: no in-place copy
-                assert tuple(local.shape) == tuple(data.shape), (
-                    f"{name}: rows read {tuple(data.shape)} != FSDP shard {tuple(local.shape)}"
-                )
-                local.copy_(data)
-            else:
-                target.copy_(data)
+    def _as_parameter(self, name: str, old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+        if isinstance(old, DTensor):
+            local_shape = tuple(old._local_tensor.shape)
+            assert local_shape == tuple(data.shape), f"{name}: rows read {tuple(data.shape)} != FSDP shard {local_shape}"
+            value = DTensor.from_local(
+                data.to(self.local_device), old.device_mesh, old.placements,
+                run_check=False, shape=old.shape, stride=old.stride(),
+            )
+        else:
+            value = data.to(self.context.target_device)
+        return nn.Parameter(value, requires_grad=False)
 
 
 def _is_rank_zero() -> bool:
@@ -309,13 +309,15 @@ def load_hsdp_model(
     dtype: torch.dtype | str | None = None,
     model_class=None,
     read_mode: str = "sliced",
+    progress: Callable[[int, int], None] | None = None,
 ) -> LoadedModel:
     """Load a local safetensors checkpoint straight into an HSDP-sharded model.
 
     Every rank calls this with the same arguments. ``dtype=None`` keeps the checkpoint's dtype
     (a tensor of another dtype is an error); a ``dtype`` casts floating tensors to it.
     ``read_mode="sliced"`` reads only this rank's rows of each sharded tensor; ``"full"``
-    reads whole tensors and lets ``fully_shard`` chunk them.
+    reads whole tensors and lets ``fully_shard`` chunk them. ``progress(done, total)`` is called
+    with checkpoint bytes processed as each tensor arrives.
     """
     if read_mode not in READ_MODES:
         raise ValueError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
@@ -349,7 +351,9 @@ def load_hsdp_model(
     error = None
     try:
         with stats.phase("stream"):
-            load = _StreamingLoad(model, context, files, read_mode=read_mode, may_cast=may_cast, stats=stats)
+            load = _StreamingLoad(
+                model, context, files, read_mode=read_mode, may_cast=may_cast, stats=stats, progress=progress
+            )
             load.run()
         tokenizer = _load_tokenizer(model_dir)
         _load_generation_config(model, model_dir)
