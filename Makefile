@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml scripts/install.sh
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(PYTHON) -m server.load_report $(ARGS)
+	$(PYTHON) -m server $(ARGS)
 
 test: $(STAMP)
 	$(PYTHON) -m pytest -q $(ARGS)

@@ -1,0 +1,76 @@
+"""Rank 0's HTTP app: probes, info and metrics here; the generate routes in ``tgi_api`` and
+``openai_api``. Errors leave through ``server.errors``, in each API's style.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from server import __version__
+from server.errors import register_error_handlers
+from server.guard import GuardMiddleware
+from server.openai_api import build_openai_router
+from server.state import ServerState
+from server.tgi_api import build_tgi_router
+
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+
+
+def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="hsdp-serve", version=__version__)
+    register_error_handlers(app)
+    app.add_middleware(GuardMiddleware, metrics=state.metrics, api_key=state.api_key, max_body_bytes=max_body_bytes)
+    app.include_router(build_tgi_router(state))
+    app.include_router(build_openai_router(state))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = state.phase != "failed"
+        body = {"status": "ok" if ok else "failed", "phase": state.phase}
+        if state.failure:
+            body["error"] = state.failure
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        body: dict = {"status": "ready" if state.ready else "not_ready", "phase": state.phase}
+        if state.phase == "loading":
+            total = state.load_total_bytes
+            body["progress"] = {
+                "bytes_loaded": state.load_done_bytes,
+                "bytes_total": total,
+                "fraction": round(state.load_done_bytes / total, 4) if total else 0.0,
+            }
+        return JSONResponse(body, status_code=200 if state.ready else 503)
+
+    @app.get("/info")
+    async def info() -> dict:
+        limits = state.limits
+        body = {
+            "model_id": state.model_id,
+            "model_dtype": state.dtype,
+            "mesh_shape": {"replicate": state.mesh_shape[0], "shard": state.mesh_shape[1]},
+            "world_size": state.world_size,
+            "max_input_tokens": limits.max_input_tokens if limits else None,
+            "max_total_tokens": limits.max_total_tokens if limits else None,
+            "max_concurrent_requests": limits.max_concurrent_requests if limits else None,
+            "version": __version__,
+            "phase": state.phase,
+        }
+        scheduler = state.scheduler
+        if scheduler is not None:
+            stats = [s for s in scheduler.rank_stats]
+            body["ranks"] = [
+                {"rank": r, "sequences_started": s.sequences_started, "tokens_computed": s.tokens_computed,
+                 "active": s.active} if s is not None else {"rank": r}
+                for r, s in enumerate(stats)
+            ]
+        return body
+
+    return app

@@ -1,0 +1,109 @@
+"""The server's configuration, and the command line that maps onto it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from server.launch import DEVICE_TYPES, LOG_LEVELS
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True)
+class ServeConfig:
+    model: str | None = None
+    """Checkpoint directory; None serves the embedded demo checkpoint (random weights)."""
+
+    nproc_per_node: int = 2
+    """Ranks started on this node (ignored under torchrun, which decides)."""
+
+    replicate_size: int = 1
+    shard_size: int = -1
+    device: str | None = None
+    """cpu or cuda; None picks cuda when available."""
+
+    dtype: str = "auto"
+    """Weights' dtype: auto keeps the checkpoint's."""
+
+    read_mode: str = "sliced"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str | None = None
+
+    max_concurrent_requests: int = 128
+    """Sequences decoding at once over the whole group; more wait in the queue."""
+
+    max_input_tokens: int | None = None
+    """Longest prompt; default max_total_tokens - 1."""
+
+    max_total_tokens: int | None = None
+    """Prompt plus new tokens; default the model's maximum positions (at most 4096)."""
+
+    collective_timeout_s: float = 600.0
+    """Bound on any single collective (a forward's all-gathers, a control step)."""
+
+    api_key: str | None = None
+    """Require ``Authorization: Bearer <key>`` on every endpoint but the probes and /metrics."""
+
+    max_body_bytes: int = 1024 * 1024
+    """Largest request body accepted; larger ones get 413."""
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if self.device is not None and self.device not in DEVICE_TYPES:
+            raise ValueError(f"--device must be one of {DEVICE_TYPES}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        for name in ("max_concurrent_requests", "max_input_tokens", "max_total_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError("--collective-timeout must be positive")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return None if self.dtype == "auto" else getattr(torch, self.dtype)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hsdp-serve",
+        description="Serve a Hugging Face causal LM sharded over a group of ranks with FSDP2 (HSDP).",
+    )
+    p.add_argument("--model", help="checkpoint directory (default: the embedded random-weight demo)")
+    p.add_argument("--nproc-per-node", type=int, default=2)
+    p.add_argument("--replicate-size", type=int, default=1)
+    p.add_argument("--shard-size", type=int, default=-1, help="-1: world size // replicate size")
+    p.add_argument("--device", choices=DEVICE_TYPES, help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--read-mode", choices=("sliced", "full"), default="sliced")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", choices=LOG_LEVELS)
+    p.add_argument("--max-concurrent-requests", type=int, default=128)
+    p.add_argument("--max-input-tokens", type=int)
+    p.add_argument("--max-total-tokens", type=int)
+    p.add_argument("--collective-timeout", dest="collective_timeout_s", type=float, default=600.0)
+    p.add_argument("--api-key", default=os.environ.get("HSDP_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' (default: $HSDP_API_KEY; none: no check)")
+    p.add_argument("--max-body-bytes", type=int, default=1024 * 1024)
+    return p
+
+
+def parse_serve_config(argv: list[str] | None = None) -> ServeConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return ServeConfig(**vars(args))
+    except ValueError as e:
+        parser.error(str(e))

@@ -1,0 +1,148 @@
+"""The per-rank decoding engine: the sequences this rank owns and one forward per step.
+
+Every rank runs exactly one forward per step that has work anywhere in the group, because the
+FSDP all-gathers inside forward are collectives. A rank computes only its own sequences: all of
+them packed into one row (no padding), each token attending to its own sequence's past through
+a block-causal mask, so prompts being prefilled and sequences decoding share one forward. A rank
+with nothing to do runs a one-token forward to keep the all-gathers matched.
+The engine knows nothing of HTTP or of the control channel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from server.sampling import SamplingParams, TokenSelector
+
+
+@dataclass
+class NewSequence:
+    seq_id: int
+    rank: int  # the rank that owns and computes it
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class StepPlan:
+    """What rank 0 decided for one step; every rank receives the same plan."""
+
+    add: list[NewSequence] = field(default_factory=list)
+    remove: list[int] = field(default_factory=list)
+    forward: bool = False  # some rank owns a sequence: every rank enters forward
+    shutdown: bool = False
+
+
+@dataclass
+class TokenResult:
+    seq_id: int
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    rank: int
+    tokens: list[TokenResult]
+    active: int  # sequences this rank holds after the step
+    sequences_started: int  # cumulative, for the per-rank spread
+    tokens_computed: int  # cumulative tokens this rank ran through the model
+
+
+class _Sequence:
+    def __init__(self, new: NewSequence):
+        self.seq_id = new.seq_id
+        self.ids = list(new.prompt_ids)
+        self.pending = list(new.prompt_ids)  # tokens not yet in the KV cache
+        self.selector = TokenSelector(new.params)
+
+
+class RankEngine:
+    def __init__(self, model: nn.Module, device: torch.device, rank: int):
+        self.model, self.device, self.rank = model, device, rank
+        self.sequences: dict[int, _Sequence] = {}
+        self.cache = None
+        # Per KV-cache column: the sequence it belongs to and its position in that sequence.
+        self.col_seq_C = torch.empty(0, dtype=torch.long, device=device)
+        self.col_pos_C = torch.empty(0, dtype=torch.long, device=device)
+        self.sequences_started = 0
+        self.tokens_computed = 0
+        param = next(model.parameters())
+        self.mask_dtype = param.dtype if param.is_floating_point() else torch.float32
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self._remove(plan.remove)
+        for new in plan.add:
+            if new.rank == self.rank:
+                self.sequences[new.seq_id] = _Sequence(new)
+                self.sequences_started += 1
+        tokens: list[TokenResult] = []
+        if plan.forward:
+            tokens = self._forward() if self.sequences else self._idle_forward()
+        return StepResult(self.rank, tokens, len(self.sequences), self.sequences_started, self.tokens_computed)
+
+    def _remove(self, seq_ids: list[int]) -> None:
+        gone = [s for s in seq_ids if self.sequences.pop(s, None) is not None]
+        if not gone:
+            return
+        if not self.sequences:
+            self.cache = None
+            self.col_seq_C = self.col_seq_C[:0]
+            self.col_pos_C = self.col_pos_C[:0]
+            return
+        keep_C = ~torch.isin(self.col_seq_C, torch.tensor(gone, device=self.device))
+        if self.cache is not None:
+            for layer in self.cache.layers:
+                if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                    layer.keys = layer.keys[:, :, keep_C]
+                    layer.values = layer.values[:, :, keep_C]
+        self.col_seq_C, self.col_pos_C = self.col_seq_C[keep_C], self.col_pos_C[keep_C]
+
+    @torch.no_grad()
+    def _idle_forward(self) -> list[TokenResult]:
+        # Matches the other ranks' all-gathers; the result is discarded.
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        return []
+
+    @torch.no_grad()
+    def _forward(self) -> list[TokenResult]:
+        seqs = list(self.sequences.values())
+        ids, seq_of, pos, last = [], [], [], []
+        for s in seqs:
+            start = len(s.ids) - len(s.pending)
+            ids += s.pending
+            seq_of += [s.seq_id] * len(s.pending)
+            pos += range(start, len(s.ids))
+            last.append(len(ids) - 1)
+        ids_1T = torch.tensor([ids], device=self.device)
+        q_seq_T = torch.tensor(seq_of, device=self.device)
+        q_pos_T = torch.tensor(pos, device=self.device)
+        k_seq_K = torch.cat([self.col_seq_C, q_seq_T])
+        k_pos_K = torch.cat([self.col_pos_C, q_pos_T])
+        allowed_TK = (q_seq_T[:, None] == k_seq_K[None, :]) & (k_pos_K[None, :] <= q_pos_T[:, None])
+        mask_11TK = torch.zeros(allowed_TK.shape, dtype=self.mask_dtype, device=self.device)
+        mask_11TK.masked_fill_(~allowed_TK, torch.finfo(self.mask_dtype).min)
+        out = self.model(
+            input_ids=ids_1T,
+            position_ids=q_pos_T.unsqueeze(0),
+            attention_mask=mask_11TK[None, None],
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=torch.tensor(last, device=self.device),
+        )
+        self.cache = out.cache
+        self.col_seq_C, self.col_pos_C = k_seq_K, k_pos_K
+        self.tokens_computed += len(ids)
+        logits_SV = out.logits[0]
+        results = []
+        for s, logits_V in zip(seqs, logits_SV):
+            token, logprob, top = s.selector.select(logits_V, torch.tensor(s.ids))
+            s.ids.append(token)
+            s.pending = [token]
+            results.append(TokenResult(s.seq_id, token, logprob, top))
+        return results

@@ -1,0 +1,98 @@
+"""Typed API errors and the one place that turns them into responses, in each API's style.
+
+TGI-style paths answer ``{"error": str, "error_type": str}``; ``/v1/*`` paths answer OpenAI's
+envelope ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    status_code = 500
+    error_type = "internal"  # TGI's error_type
+    openai_type = "server_error"
+    openai_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = headers
+
+
+class InputValidationError(APIError):
+    status_code = 422
+    error_type = "validation"
+    openai_type = "invalid_request_error"
+
+
+class AuthenticationError(APIError):
+    status_code = 401
+    error_type = "authentication"
+    openai_type = "invalid_request_error"
+    openai_code = "invalid_api_key"
+
+
+class BodyTooLargeError(APIError):
+    status_code = 413
+    error_type = "payload_too_large"
+    openai_type = "invalid_request_error"
+    openai_code = "request_too_large"
+
+
+class UnavailableError(APIError):
+    status_code = 503
+    error_type = "unavailable"
+    openai_type = "service_unavailable"
+
+
+class GenerationError(APIError):
+    status_code = 500
+    error_type = "generation"
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith("/v1/")
+
+
+def error_status(exc: APIError, path: str) -> int:
+    # OpenAI answers invalid requests with 400 where TGI answers 422.
+    if is_openai_path(path) and isinstance(exc, InputValidationError):
+        return 400
+    return exc.status_code
+
+
+def error_body(exc: APIError, path: str) -> dict:
+    if is_openai_path(path):
+        return {"error": {"message": exc.message, "type": exc.openai_type, "param": exc.param,
+                          "code": exc.openai_code}}
+    return {"error": exc.message, "error_type": exc.error_type}
+
+
+def error_response(exc: APIError, path: str) -> JSONResponse:
+    return JSONResponse(error_body(exc, path), status_code=error_status(exc, path), headers=exc.headers)
+
+
+def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable message for pydantic's errors, and the first offending parameter."""
+    parts, param = [], None
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        param = param or loc or None
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request", param
+
+
+def register_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_error(exc)
+        return error_response(InputValidationError(message, param=param), request.url.path)

@@ -1,0 +1,269 @@
+"""Start the model group: one process per rank on this node, or this process under torchrun.
+
+A user types one command. :func:`launch_group` either spawns ``nproc_per_node`` ranks through
+torch's elastic launcher (a c10d rendezvous on a localhost port the OS picks once) or, when
+this process already is a torchrun worker, runs the entrypoint right here, so several nodes
+work with one ``torchrun`` per node. Knows nothing of checkpoints or HTTP: the entrypoint
+does the work and calls :func:`init_rank` itself.
+
+A failed rank ends the whole group (``max_restarts=0``) and surfaces as one :class:`GroupError`
+whose text is one line; the traceback is logged at ``--log-level debug``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import logging
+import os
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEVICE_TYPES = ("cpu", "cuda")
+# Torch's own launcher loggers: at INFO and on failure they print a wall of configuration and
+# tracebacks that GroupError already sums up in one line.
+_QUIET_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+class GroupError(RuntimeError):
+    """A rank of the group failed; ``str()`` is one line naming the rank and the error."""
+
+    def __init__(self, message: str, *, rank: int | None = None, exit_code: int = 1):
+        self.rank = rank
+        self.exit_code = exit_code
+        super().__init__(message if rank is None else f"rank {rank}: {message}")
+
+
+def is_under_torchrun() -> bool:
+    """Whether this process is a worker that torchrun (or another elastic agent) started."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(name in os.environ for name in _TORCHRUN_ENV)
+
+
+def resolve_world_size(nproc_per_node: int) -> int:
+    """The group's world size: torchrun's under torchrun, else ``nproc_per_node`` on this node."""
+    if is_under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    return nproc_per_node
+
+
+def resolve_device_type(device: str | None) -> str:
+    """``device`` checked against :data:`DEVICE_TYPES`; None means cuda when CUDA is available."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in DEVICE_TYPES:
+        raise ValueError(f"device must be one of {DEVICE_TYPES}, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but torch sees no CUDA device")
+    return device
+
+
+def configure_logging(log_level: str | None, *, rank: int | None = None) -> None:
+    """One log stream per process, prefixed ``[rankN]`` (or ``[launch]`` for the launcher).
+
+    ``rank=None`` means this process's rank under torchrun, else the launcher. ``log_level=None``
+    logs rank 0 and the launcher at INFO, the other ranks at WARNING, so that N ranks do not
+    print N copies of the same progress.
+    """
+    if log_level is not None and log_level not in LOG_LEVELS:
+        raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {log_level!r}")
+    if rank is None and is_under_torchrun():
+        rank = int(os.environ["RANK"])
+    level = log_level.upper() if log_level else ("INFO" if not rank else "WARNING")
+    prefix = "[launch]" if rank is None else f"[rank{rank}]"
+    logging.basicConfig(
+        level=level,
+        format=f"{prefix} %(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+    _quiet_torch_loggers(log_level)
+
+
+def _quiet_torch_loggers(log_level: str | None) -> None:
+    # Some of these loggers carry their own level, so each existing one is set, not the parents.
+    quiet = logging.WARNING if log_level == "debug" else logging.CRITICAL
+    for name in [*_QUIET_LOGGERS, *logging.root.manager.loggerDict]:
+        if name.startswith(_QUIET_LOGGERS):
+            logging.getLogger(name).setLevel(quiet)
+
+
+def init_rank(device: str, timeout_s: float) -> torch.device:
+    """Initialise the default process group for this rank and return its device.
+
+    ``cuda``: NCCL on ``cuda:LOCAL_RANK``. ``cpu``: gloo, with the node's cores split between
+    its ranks. ``timeout_s`` bounds every collective, so a rank that never arrives fails the
+    group instead of hanging it.
+    """
+    if device not in DEVICE_TYPES:
+        raise ValueError(f"device must be one of {DEVICE_TYPES}, got {device!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible")
+        torch.cuda.set_device(local_rank)
+        rank_device = torch.device("cuda", local_rank)
+        # device_id binds the group to this GPU at once instead of at the first collective.
+        dist.init_process_group("nccl", timeout=timeout, device_id=rank_device)
+        return rank_device
+    # torchrun sets OMP_NUM_THREADS=1 and spawned ranks would each take every core: both waste
+    # or oversubscribe the node, so each rank gets its share of the cores it may run on.
+    torch.set_num_threads(max(1, _count_usable_cores() // local_world_size))
+    dist.init_process_group("gloo", timeout=timeout)
+    return torch.device("cpu")
+
+
+def _count_usable_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):  # Linux: the cores this process may run on (taskset, cgroups)
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def close_rank() -> None:
+    """Destroy the process groups and free them while the interpreter is still whole.
+
+    A DeviceMesh (and every DTensor of a sharded model) keeps its gloo groups alive after
+    ``destroy_process_group``; freed only at interpreter exit, a group's worker thread may then
+    drop its last collective's tensors without the GIL and abort the process (SIGABRT,
+    "terminate called without an active exception", about one exit in five with a mesh).
+    Collecting the dead model and mesh here joins those threads first. Call it once the
+    entrypoint has let go of its model.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def _run_rank(entrypoint: Callable[..., Any], args: tuple, log_level: str | None) -> Any:
+    """Body of every rank: logging first, then the entrypoint; the group is closed on success.
+
+    On failure the group is left to process exit: destroying it while peers may still sit in
+    a collective can block, and the launcher stops those peers anyway.
+    """
+    configure_logging(log_level, rank=int(os.environ.get("RANK", 0)))
+    try:
+        result = entrypoint(*args)
+    except BaseException:
+        logger.debug("rank failed", exc_info=True)
+        raise
+    close_rank()
+    return result
+
+
+def launch_group(
+    entrypoint: Callable[..., Any],
+    args: tuple = (),
+    *,
+    nproc_per_node: int,
+    log_level: str | None = None,
+    rdzv_timeout_s: int = 300,
+    shutdown_timeout_s: int = 15,
+) -> Any:
+    """Run ``entrypoint(*args)`` on every rank of the group and return rank 0's return value.
+
+    Under torchrun the entrypoint runs in this process (``nproc_per_node`` is then torchrun's
+    to decide) and its own return value is returned, whatever the rank. Otherwise
+    ``nproc_per_node`` ranks are spawned on this node; ``entrypoint`` must be picklable (a
+    module-level function). Raises :class:`GroupError` if any rank fails; the other ranks are
+    stopped, with SIGKILL after ``shutdown_timeout_s``.
+    """
+    if is_under_torchrun():
+        rank = int(os.environ["RANK"])
+        configure_logging(log_level, rank=rank)
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", nproc_per_node))
+        if nproc_per_node != local_world_size and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            logger.warning(
+                "running under torchrun with %d rank(s) on this node; nproc_per_node=%d is ignored",
+                local_world_size,
+                nproc_per_node,
+            )
+        try:
+            return _run_rank(entrypoint, args, log_level)
+        except Exception as e:
+            raise GroupError(_describe_exception(e), rank=rank) from e
+    if nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node must be >= 1, got {nproc_per_node}")
+    return _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, shutdown_timeout_s)
+
+
+def _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, shutdown_timeout_s) -> Any:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _quiet_torch_loggers(log_level)
+    # The error files in which the ranks record their exceptions; gone once the group ends.
+    with tempfile.TemporaryDirectory(prefix="hsdp-launch-") as log_dir:
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc_per_node,
+            run_id=f"hsdp-{uuid.uuid4().hex[:12]}",
+            # Port 0: the agent's TCPStore binds a free port once and the ranks reuse that
+            # store, so two groups on one host cannot collide and there is no pick-then-bind race.
+            rdzv_backend="c10d",
+            rdzv_endpoint="localhost:0",
+            rdzv_configs={"join_timeout": rdzv_timeout_s},
+            max_restarts=0,
+            start_method="spawn",  # fork after torch (or CUDA) is initialised is unsafe
+            logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+            shutdown_timeout=shutdown_timeout_s,
+        )
+        logger.debug("launching %d rank(s), run id %s", nproc_per_node, config.run_id)
+        try:
+            results = elastic_launch(config, _run_rank)(entrypoint, args, log_level)
+        except ChildFailedError as e:
+            raise _summarize_failures(e.failures) from None
+        except SignalException as e:
+            raise GroupError(f"interrupted by {e.sigval.name}", exit_code=128 + int(e.sigval)) from None
+    return results[0]
+
+
+def _summarize_failures(failures: dict) -> GroupError:
+    """One GroupError for the root cause among the failed ranks.
+
+    A rank that recorded its own exception beats one that only learned of another rank's
+    failure (RemoteRankError) or died without a word, then the earliest, then the lowest rank.
+    The traceback was logged by the rank itself, at debug level.
+    """
+
+    def recorded_text(failure) -> str | None:
+        # The error file's {"message": {"message": "Type: text", ...}}, or None without one.
+        message = failure.message
+        return message.get("message") if isinstance(message, dict) else None
+
+    def priority(item) -> tuple:
+        rank, failure = item
+        text = recorded_text(failure)
+        return (text is None, (text or "").startswith("RemoteRankError"), failure.timestamp, rank)
+
+    rank, failure = min(failures.items(), key=priority)
+    text = recorded_text(failure)
+    if text is None:
+        if failure.exitcode < 0:
+            text = f"killed by signal {failure.signal_name()}"
+        else:
+            text = f"exited with code {failure.exitcode} without recording an error"
+    first_line = (text.strip().splitlines() or [""])[0]
+    others = len(failures) - 1
+    return GroupError(first_line + (f" ({others} other rank(s) failed too)" if others else ""), rank=rank)
+
+
+def _describe_exception(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__

@@ -1,0 +1,164 @@
+"""``hsdp-serve``: launch the group; on every rank load the model and step; on rank 0 serve HTTP.
+
+Rank 0's HTTP listener starts before the weights load, so probes can watch the load. Rank 0's
+main thread drives the engine loop (the collectives); uvicorn runs on a thread of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+from server.config import ServeConfig, parse_serve_config
+from server.launch import GroupError, configure_logging, init_rank, launch_group, resolve_device_type
+
+logger = logging.getLogger(__name__)
+_HTTP_START_TIMEOUT_S = 30.0
+
+
+def start_http_server(app, host: str, port: int):
+    """Run uvicorn on a daemon thread; returns once it listens, raises if it cannot."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, name="http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + _HTTP_START_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"cannot listen on {host}:{port} (in use, or not an address of this host)")
+        time.sleep(0.05)
+    logger.info("listening on http://%s:%d", host, port)
+    return server
+
+
+def _resolve_limits(cfg: ServeConfig, model_config):
+    from server.state import Limits
+
+    positions = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", 4096)
+    total = cfg.max_total_tokens or min(positions, 4096)
+    inputs = cfg.max_input_tokens or total - 1
+    if inputs >= total:
+        raise ValueError(f"--max-input-tokens ({inputs}) must be < --max-total-tokens ({total})")
+    return Limits(max_input_tokens=inputs, max_total_tokens=total, max_concurrent_requests=cfg.max_concurrent_requests)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _warm_up(scheduler, state, world_size: int) -> None:
+    """One short sequence per rank through the real path; ready once all have finished."""
+    from server.sampling import SamplingParams
+    from server.scheduler import RequestHandle
+
+    remaining = [world_size]
+
+    def on_event(event) -> None:
+        if getattr(event, "finish", None) is not None:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                state.set_phase("ready")
+                logger.info("ready")
+
+    for _ in range(world_size):
+        scheduler.submit(RequestHandle([0, 0], SamplingParams(max_new_tokens=2), [], deliver=on_event))
+
+
+def serve_rank(cfg: ServeConfig) -> None:
+    """Every rank's body."""
+    from loaders import load_hsdp_model
+    from server.app import build_app
+    from server.control import ControlChannel, run_engine_loop
+    from server.engine import RankEngine
+    from server.metrics import ServerMetrics
+    from server.scheduler import Scheduler
+    from server.state import ServerState
+    from shard_engine import HSDPInferenceConfig
+
+    hsdp = HSDPInferenceConfig(replicate_size=cfg.replicate_size, shard_size=cfg.shard_size)
+    device = init_rank(resolve_device_type(cfg.device), cfg.collective_timeout_s)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    state = http = scheduler = None
+    if rank == 0:
+        state = ServerState(
+            model_id=cfg.model, dtype=cfg.dtype, mesh_shape=hsdp.resolve_mesh_shape(world_size),
+            world_size=world_size, metrics=ServerMetrics(), api_key=cfg.api_key,
+        )
+        http = start_http_server(build_app(state, max_body_bytes=cfg.max_body_bytes), cfg.host, cfg.port)
+    try:
+        loaded = load_hsdp_model(
+            cfg.model, hsdp, device=device, dtype=cfg.torch_dtype, read_mode=cfg.read_mode,
+            progress=state.set_load_progress if state else None,
+        )
+        bytes_per_rank = [None] * world_size
+        dist.all_gather_object(bytes_per_rank, loaded.stats.bytes_read)  # every rank, once
+        if loaded.tokenizer is None:
+            raise ValueError(f"{cfg.model} has no tokenizer files: hsdp-serve needs one to serve text")
+        engine = RankEngine(loaded.model, device, rank)
+        channel = ControlChannel(cfg.collective_timeout_s)
+        if rank == 0:
+            limits = _resolve_limits(cfg, loaded.config)
+            scheduler = Scheduler(
+                loaded.tokenizer, world_size=world_size, max_running=limits.max_concurrent_requests,
+                max_total_tokens=limits.max_total_tokens, eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer),
+                metrics=state.metrics,
+            )
+            state.metrics.load_seconds.set(loaded.stats.phase_seconds["total"])
+            state.metrics.loaded_bytes.set(sum(bytes_per_rank))
+            state.metrics.running.set_function(lambda: scheduler.num_running)
+            state.metrics.waiting.set_function(lambda: scheduler.num_waiting)
+            state.dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+            state.limits, state.tokenizer, state.scheduler = limits, loaded.tokenizer, scheduler
+            state.set_phase("warming_up")
+            _install_drain_handler(scheduler, state)
+            _warm_up(scheduler, state, world_size)
+        run_engine_loop(engine, channel, scheduler)
+    except BaseException as e:
+        if state is not None:
+            state.set_phase("failed", f"{type(e).__name__}: {e}")
+            if scheduler is not None:
+                scheduler.fail_all("the model group failed")
+        raise
+    finally:
+        if http is not None:
+            http.should_exit = True
+
+
+def _install_drain_handler(scheduler, state) -> None:
+    def drain(signum, _frame) -> None:
+        logger.warning("%s: draining (in-flight requests finish, new ones get 503)", signal.Signals(signum).name)
+        state.set_phase("draining")
+        scheduler.request_shutdown()
+
+    signal.signal(signal.SIGTERM, drain)
+    signal.signal(signal.SIGINT, drain)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_serve_config(argv)
+    configure_logging(cfg.log_level)
+    try:
+        if cfg.model is None:
+            from server.demo import ensure_demo_checkpoint
+
+            cfg.model = ensure_demo_checkpoint()  # before the ranks start, so they never race
+            logger.info("serving the demo checkpoint %s (random weights: the text is random)", cfg.model)
+        cfg.model = os.path.abspath(cfg.model)
+        launch_group(serve_rank, (cfg,), nproc_per_node=cfg.nproc_per_node, log_level=cfg.log_level)
+    except GroupError as e:
+        print(f"hsdp-serve: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except ValueError as e:
+        print(f"hsdp-serve: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,40 @@
+"""Prometheus metrics, names prefixed ``hsdp_``, in a registry of the app's own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# The paths requests are counted under; anything else is "other", so labels stay few.
+KNOWN_ENDPOINTS = frozenset({
+    "/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions", "/v1/models",
+    "/health", "/ready", "/info", "/metrics",
+})
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("hsdp_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.request_duration = Histogram("hsdp_request_duration_seconds", "HTTP request duration, streams included",
+                                          ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.time_to_first_token = Histogram("hsdp_time_to_first_token_seconds",
+                                             "From a request's arrival to its first token",
+                                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram("hsdp_inter_token_latency_seconds",
+                                             "Between consecutive tokens of one request",
+                                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("hsdp_queue_time_seconds", "From a request's arrival to its admission",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("hsdp_running_sequences", "Sequences decoding over the whole group", registry=r)
+        self.waiting = Gauge("hsdp_waiting_sequences", "Requests waiting for admission", registry=r)
+        self.prompt_tokens = Counter("hsdp_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generated_tokens = Counter("hsdp_generated_tokens", "Tokens generated for requests", registry=r)
+        self.load_seconds = Gauge("hsdp_load_seconds", "Seconds rank 0 took to load and shard the model",
+                                  registry=r)
+        self.loaded_bytes = Gauge("hsdp_loaded_bytes", "Checkpoint bytes read by all ranks together", registry=r)
+        self.failures = Counter("hsdp_failures", "Failed requests by reason", ["reason"], registry=r)
+
+    def endpoint_label(self, path: str) -> str:
+        return path if path in KNOWN_ENDPOINTS else "other"

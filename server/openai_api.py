@@ -1,0 +1,202 @@
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+
+Semantics follow OpenAI's: ``temperature`` defaults to 1 (sampling) and 0 means greedy; the
+text returned stops before a stop sequence; ``finish_reason`` is ``stop`` or ``length``. The
+request's ``model`` is not checked: this server serves one model, named in every response.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+
+from server.errors import GenerationError, InputValidationError, error_body
+from server.generation import RequestStream, check_admission
+from server.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage
+from server.sampling import SamplingParams
+from server.scheduler import TokenEvent
+from server.state import ServerState
+
+# Used when the tokenizer has no chat template of its own (documented in the README).
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def _sampling(req, max_new_tokens: int, top_logprobs: int) -> SamplingParams:
+    temperature = 1.0 if req.temperature is None else req.temperature
+    greedy = temperature == 0.0
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        do_sample=not greedy,
+        temperature=None if greedy else temperature,
+        top_p=None if greedy or req.top_p is None or req.top_p >= 1.0 else req.top_p,
+        seed=req.seed,
+        top_logprobs=top_logprobs,
+    )
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> str:
+    cuts = [text.find(s) for s in stops if s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` that may still become a stop sequence (or a split character)."""
+    if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next token
+        return len(text) - len(text.rstrip("\ufffd"))
+    keep = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), keep, -1):
+            if stop.startswith(text[-n:]):
+                keep = n
+                break
+    return keep
+
+
+class _TextDeltas:
+    """Streamed text never shows a stop sequence, nor the part of one that may still complete."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.sent = stops, 0
+
+    def next(self, event: TokenEvent) -> str:
+        if event.finish is not None:
+            final = _cut_at_stop(event.full_text, self.stops)
+        else:
+            visible = _cut_at_stop(event.full_text, self.stops)
+            final = visible[: len(visible) - _held_back(visible, self.stops)]
+        delta = final[self.sent:] if len(final) > self.sent else ""
+        self.sent += len(delta)
+        return delta
+
+
+def _finish_reason(event: TokenEvent) -> str:
+    return "length" if event.finish.reason == "length" else "stop"
+
+
+def _usage(stream: RequestStream) -> dict:
+    h = stream.handle
+    return Usage(prompt_tokens=len(h.prompt_ids), completion_tokens=len(h.generated),
+                 total_tokens=len(h.prompt_ids) + len(h.generated)).model_dump()
+
+
+def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    tok = state.tokenizer
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text = tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False,
+            chat_template=None if getattr(tok, "chat_template", None) else FALLBACK_CHAT_TEMPLATE,
+        )
+    except ValueError as e:
+        raise InputValidationError(str(e), param="messages") from e
+    return tok(text, add_special_tokens=False).input_ids
+
+
+def build_openai_router(state: ServerState) -> APIRouter:
+    router = APIRouter(prefix="/v1")
+    created = int(time.time())
+
+    def frame(payload: dict) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+    async def stream_chunks(stream: RequestStream, req, make_chunk, path: str) -> AsyncIterator[str]:
+        deltas = _TextDeltas(req.stop_list)
+        try:
+            async for event in stream.events():
+                finish = _finish_reason(event) if event.finish is not None else None
+                text = deltas.next(event)
+                if text or finish:
+                    yield frame(make_chunk(text, event, finish))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield frame({**make_chunk(None, None, None), "choices": [], "usage": _usage(stream)})
+        except GenerationError as e:
+            yield frame(error_body(e, path))
+        yield "data: [DONE]\n\n"
+
+    @router.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=state.model_id, created=created)])
+
+    @router.post("/completions")
+    async def completions(req: CompletionRequest):
+        prompt_ids = state.tokenizer(req.prompt).input_ids
+        max_new = check_admission(state, prompt_ids, req.max_tokens or 16)
+        stream = RequestStream(state, prompt_ids, _sampling(req, max_new, req.logprobs or 0), req.stop_list)
+        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def logprobs_of(events: list[TokenEvent]) -> dict | None:
+            if req.logprobs is None:
+                return None
+            return {
+                "tokens": [e.text for e in events],
+                "token_logprobs": [e.logprob for e in events],
+                "top_logprobs": [{text: lp for _, text, lp in e.top} for e in events],
+                "text_offset": [],
+            }
+
+        def chunk(text, event, finish) -> dict:
+            choice = {"index": 0, "text": text, "finish_reason": finish,
+                      "logprobs": logprobs_of([event]) if event is not None else None}
+            return {"id": rid, "object": "text_completion", "created": now, "model": state.model_id,
+                    "choices": [choice]}
+
+        if req.stream:
+            return StreamingResponse(stream_chunks(stream, req, chunk, "/v1/completions"),
+                                     media_type="text/event-stream")
+        events = [e async for e in stream.events()]
+        text = _cut_at_stop(events[-1].full_text, req.stop_list)
+        choice = {"index": 0, "text": (req.prompt + text) if req.echo else text,
+                  "finish_reason": _finish_reason(events[-1]), "logprobs": logprobs_of(events)}
+        return {"id": rid, "object": "text_completion", "created": now, "model": state.model_id,
+                "choices": [choice], "usage": _usage(stream)}
+
+    @router.post("/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        prompt_ids = _chat_prompt(state, req)
+        top = (req.top_logprobs or 0) if req.logprobs else 0
+        max_new = check_admission(state, prompt_ids, req.max_completion_tokens or req.max_tokens)
+        stream = RequestStream(state, prompt_ids, _sampling(req, max_new, top), req.stop_list)
+        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def logprobs_of(events: list[TokenEvent]) -> dict | None:
+            if not req.logprobs:
+                return None
+            return {"content": [
+                {"token": e.text, "logprob": e.logprob, "bytes": list(e.text.encode()),
+                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for _, t, lp in e.top]}
+                for e in events
+            ]}
+
+        first = [True]
+
+        def chunk(text, event, finish) -> dict:
+            delta = {}
+            if first[0] and event is not None:
+                delta["role"] = "assistant"
+                first[0] = False
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "finish_reason": finish,
+                      "logprobs": logprobs_of([event]) if event is not None else None}
+            return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": state.model_id,
+                    "choices": [choice]}
+
+        if req.stream:
+            return StreamingResponse(stream_chunks(stream, req, chunk, "/v1/chat/completions"),
+                                     media_type="text/event-stream")
+        events = [e async for e in stream.events()]
+        text = _cut_at_stop(events[-1].full_text, req.stop_list)
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": _finish_reason(events[-1]), "logprobs": logprobs_of(events)}
+        return {"id": rid, "object": "chat.completion", "created": now, "model": state.model_id,
+                "choices": [choice], "usage": _usage(stream)}
+
+    return router

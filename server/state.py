@@ -1,0 +1,47 @@
+"""What rank 0's HTTP side knows about the group: phase, load progress, limits, the scheduler."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+PHASES = ("loading", "warming_up", "ready", "draining", "failed")
+
+
+@dataclass(kw_only=True)
+class Limits:
+    max_input_tokens: int
+    max_total_tokens: int
+    max_concurrent_requests: int
+
+
+@dataclass
+class ServerState:
+    model_id: str
+    dtype: str
+    mesh_shape: tuple[int, int]
+    world_size: int
+    limits: Limits | None = None
+    phase: str = "loading"
+    failure: str | None = None
+    load_done_bytes: int = 0
+    load_total_bytes: int = 0
+    scheduler: object | None = None
+    tokenizer: object | None = None
+    metrics: object | None = None
+    api_key: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def set_phase(self, phase: str, failure: str | None = None) -> None:
+        assert phase in PHASES, phase
+        with self.lock:
+            self.phase = phase
+            if failure is not None:
+                self.failure = failure
+
+    def set_load_progress(self, done: int, total: int) -> None:
+        self.load_done_bytes, self.load_total_bytes = done, total
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "ready"

@@ -1,0 +1,95 @@
+"""text-generation-inference routes: ``/generate``, ``/generate_stream`` and the compat ``/``."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from server.errors import GenerationError, error_body
+from server.generation import RequestStream, check_admission
+from server.protocol import (
+    CompatGenerateRequest,
+    Details,
+    GenerateRequest,
+    GenerateResponse,
+    StreamDetails,
+    StreamResponse,
+    Token,
+)
+from server.sampling import SamplingParams
+from server.scheduler import TokenEvent
+from server.state import ServerState
+
+
+def _token(event: TokenEvent) -> Token:
+    return Token(id=event.id, text=event.text, logprob=event.logprob, special=event.special)
+
+
+def _start(state: ServerState, body: GenerateRequest) -> tuple[RequestStream, float]:
+    start = time.monotonic()
+    p = body.parameters
+    prompt_ids = state.tokenizer(body.inputs).input_ids
+    check_admission(state, prompt_ids, p.max_new_tokens)
+    params = SamplingParams(
+        max_new_tokens=p.max_new_tokens, do_sample=p.do_sample, temperature=p.temperature, top_k=p.top_k,
+        top_p=p.top_p, repetition_penalty=p.repetition_penalty, seed=p.seed,
+    )
+    return RequestStream(state, prompt_ids, params, p.stop), time.monotonic() - start
+
+
+def _full_text(body: GenerateRequest, text: str) -> str:
+    return body.inputs + text if body.parameters.return_full_text else text
+
+
+def build_tgi_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    async def generate(body: GenerateRequest) -> JSONResponse:
+        stream, validation_s = _start(state, body)
+        tokens: list[Token] = []
+        async for event in stream.events():
+            tokens.append(_token(event))
+            if (finish := event.finish) is not None:
+                details = None
+                if body.parameters.details:
+                    details = Details(finish_reason=finish.reason, generated_tokens=finish.generated_tokens,
+                                      seed=finish.seed, tokens=tokens)
+                response = GenerateResponse(generated_text=_full_text(body, finish.generated_text), details=details)
+                return JSONResponse(response.model_dump(), headers=stream.timing_headers(validation_s))
+        raise GenerationError("generation ended without a result")
+
+    async def generate_stream(body: GenerateRequest) -> StreamingResponse:
+        stream, _ = _start(state, body)
+
+        async def sse() -> AsyncIterator[str]:
+            index = 0
+            try:
+                async for event in stream.events():
+                    index += 1
+                    text = details = None
+                    if (finish := event.finish) is not None:
+                        # The last event also carries the whole text and the details.
+                        text = _full_text(body, finish.generated_text)
+                        details = StreamDetails(finish_reason=finish.reason,
+                                                generated_tokens=finish.generated_tokens, seed=finish.seed)
+                    event_out = StreamResponse(index=index, token=_token(event), generated_text=text, details=details)
+                    yield f"data: {event_out.model_dump_json()}\n\n"
+            except GenerationError as e:
+                yield f"data: {json.dumps(error_body(e, '/generate_stream'))}\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    router.add_api_route("/generate", generate, methods=["POST"], response_model=GenerateResponse)
+    router.add_api_route("/generate_stream", generate_stream, methods=["POST"])
+
+    @router.post("/")
+    async def compat_generate(body: CompatGenerateRequest):
+        """TGI's compat route: ``/generate`` or, with ``"stream": true``, ``/generate_stream``."""
+        request = GenerateRequest(inputs=body.inputs, parameters=body.parameters)
+        return await (generate_stream(request) if body.stream else generate(request))
+
+    return router

@@ -1,0 +1,76 @@
+"""Start the real ``hsdp-serve`` as a subprocess group and talk to it over HTTP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir: str, *, nproc: int = 2, extra_args: tuple[str, ...] = (), log_path=None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server", "--model", str(model_dir), "--nproc-per-node", str(nproc),
+             "--device", "cpu", "--port", str(self.port), *extra_args],
+            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: teardown reaches every rank
+        )
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+
+    def poll_ready(self, timeout: float = 180) -> list[tuple[int, dict]]:
+        """Poll /ready until 200; returns every (status, body) seen. Fails if the server exits."""
+        seen: list[tuple[int, dict]] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                r = self.client.get("/ready", timeout=2)
+                seen.append((r.status_code, r.json()))
+                if r.status_code == 200:
+                    return seen
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"not ready after {timeout} s: {self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        if not self.log_path:
+            return ""
+        with open(self.log_path) as f:
+            return "".join(f.readlines()[-n:])
+
+    def stop(self, timeout: float = 30) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything left of the group
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        self.client.close()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+        return self.proc.returncode

@@ -1,0 +1,194 @@
+"""OpenAI-compatible API, TGI compat route, metrics and access control, through real client libraries."""
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.checkpoints import tokenizer, write_checkpoint
+from tests.server_process import ServerProcess
+
+KEY = "test-key-123"
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("openai")
+    path = write_checkpoint(root / "llama", "llama")
+    server = ServerProcess(path, extra_args=("--api-key", KEY), log_path=root / "server.log")
+    server.client.headers["Authorization"] = f"Bearer {KEY}"
+    try:
+        server.poll_ready()
+        yield server, path
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(served):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(served[1], dtype=torch.float32).eval()
+    tok = tokenizer()
+
+    def generate(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt_ids])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=tok.pad_token_id)
+        return out[0, ids.shape[1]:].tolist()
+
+    return generate
+
+
+def _text(ids):
+    return tokenizer().decode(ids, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def openai_client(served):
+    import openai
+
+    return openai.OpenAI(base_url=served[0].url + "/v1", api_key=KEY, timeout=60, max_retries=0)
+
+
+def test_openai_completions(served, reference, openai_client):
+    expected = _text(reference(tokenizer()(PROMPT).input_ids, 12))
+    out = openai_client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2)
+    assert out.choices[0].text == expected
+    assert out.choices[0].finish_reason in ("length", "stop")
+    assert out.usage.prompt_tokens == len(tokenizer()(PROMPT).input_ids) and out.usage.completion_tokens == 12
+    assert len(out.choices[0].logprobs.token_logprobs) == 12
+    assert all(len(top) == 2 for top in out.choices[0].logprobs.top_logprobs)
+    streamed = openai_client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+
+
+def test_openai_chat_completions(served, reference, openai_client):
+    from server.openai_api import FALLBACK_CHAT_TEMPLATE
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    prompt = tokenizer().apply_chat_template(messages, chat_template=FALLBACK_CHAT_TEMPLATE,
+                                             add_generation_prompt=True, tokenize=False)
+    expected = _text(reference(tokenizer()(prompt, add_special_tokens=False).input_ids, 10))
+    out = openai_client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected
+    assert out.usage.completion_tokens == 10
+    chunks = list(openai_client.chat.completions.create(
+        model="m", messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == 10
+    seeded = [openai_client.chat.completions.create(model="m", messages=messages, max_tokens=8, seed=7)
+              .choices[0].message.content for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_stream_ends_with_done_and_models_listed(served, openai_client):
+    server, path = served
+    with server.client.stream("POST", "/v1/completions",
+                              json={"prompt": PROMPT, "max_tokens": 3, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert [m.id for m in openai_client.models.list().data] == [path]
+
+
+def test_openai_stop_sequence_is_not_returned(served, reference, openai_client):
+    full = _text(reference(tokenizer()(PROMPT).input_ids, 16))
+    stop = full[5:8]
+    out = openai_client.completions.create(model="m", prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == full[: full.index(stop)]
+
+
+def test_openai_errors_use_the_envelope(served):
+    server, _ = served
+    for body in ({"prompt": PROMPT, "n": 2}, {"prompt": PROMPT, "temperature": 5},
+                 {"prompt": ""}, {"messages": []}, {"prompt": PROMPT, "max_tokens": 10**6}):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = server.client.post(path, json=body)
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"]
+        assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_huggingface_inference_client(served, reference):
+    from huggingface_hub import InferenceClient
+
+    server, _ = served
+    client = InferenceClient(model=server.url, token=KEY, timeout=60)
+    expected = reference(tokenizer()(PROMPT).input_ids, 12)
+    out = client.text_generation(PROMPT, max_new_tokens=12, details=True)
+    assert [t.id for t in out.details.tokens] == expected
+    assert out.generated_text == _text(expected)
+    streamed = list(client.text_generation(PROMPT, max_new_tokens=12, stream=True, details=True))
+    assert [s.token.id for s in streamed] == expected
+    assert streamed[-1].generated_text == _text(expected)
+
+
+def _samples(server) -> dict:
+    text = httpx.get(server.url + "/metrics", timeout=10).text  # no key needed
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_metrics_move_by_the_right_amounts(served):
+    server, _ = served
+    before = _samples(server)
+    prompt_tokens = len(tokenizer()(PROMPT).input_ids)
+    for _ in range(3):
+        r = server.client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 5}})
+        assert r.status_code == 200
+    assert server.client.post("/generate", json={"inputs": ""}).status_code == 422
+    after = _samples(server)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("hsdp_requests_total", endpoint="/generate", status="200") == 3
+    assert delta("hsdp_requests_total", endpoint="/generate", status="422") == 1
+    assert delta("hsdp_generated_tokens_total") == 15
+    assert delta("hsdp_prompt_tokens_total") == 3 * prompt_tokens
+    assert delta("hsdp_time_to_first_token_seconds_count") == 3
+    assert delta("hsdp_inter_token_latency_seconds_count") == 12
+    assert delta("hsdp_queue_time_seconds_count") == 3
+    assert delta("hsdp_request_duration_seconds_count", endpoint="/generate") == 4
+    assert after[("hsdp_running_sequences", ())] == 0
+    assert after[("hsdp_loaded_bytes", ())] > 0 and after[("hsdp_load_seconds", ())] > 0
+
+
+def test_timing_headers(served):
+    server, _ = served
+    r = server.client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
+    for header in ("x-queue-time", "x-inference-time", "x-time-per-token", "x-total-time"):
+        assert int(r.headers[header]) >= 0
+    assert r.headers["x-generated-tokens"] == "4"
+
+
+def test_api_key_is_required_except_on_probes(served):
+    server, _ = served
+    bare = httpx.Client(base_url=server.url, timeout=10)
+    for path in ("/health", "/ready", "/metrics"):
+        assert bare.get(path).status_code == 200
+    r = bare.post("/generate", json={"inputs": PROMPT})
+    assert r.status_code == 401 and r.json()["error_type"] == "authentication"
+    assert bare.get("/info").status_code == 401
+    r = bare.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_oversized_body_gets_413(served):
+    server, _ = served
+    big = {"inputs": "x" * (1024 * 1024 + 10)}
+    r = server.client.post("/generate", json=big)
+    assert r.status_code == 413 and r.json()["error_type"] == "payload_too_large"
+    r = server.client.post("/v1/completions", json={"prompt": "y" * (1024 * 1024 + 10)})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert server.client.post("/generate", json={"inputs": "ok", "parameters": {"max_new_tokens": 2}}).status_code == 200

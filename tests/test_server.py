@@ -1,0 +1,217 @@
+"""The real server (2 CPU ranks) over HTTP: TGI-style generate and stream, probes, batching."""
+
+import concurrent.futures
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from tests.checkpoints import tokenizer, write_checkpoint
+from tests.server_process import ServerProcess
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time there was a server that never hung and never lost a request",
+    "hsdp",
+    "0123456789",
+    "every rank runs every forward in lockstep",
+    "The lazy dog",
+    "zero",
+    "Rank zero answers HTTP requests; every rank runs every forward",
+]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    path = write_checkpoint(root / "llama", "llama")
+    server = ServerProcess(path, log_path=root / "server.log")
+    try:
+        ready_trace = server.poll_ready()
+        yield server, path, ready_trace
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(served):
+    """transformers' own greedy generate on the unsharded model, stopping at EOS as the server does."""
+    from transformers import AutoModelForCausalLM
+
+    _, path, _ = served
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = tokenizer()
+
+    def generate(prompt: str, max_new_tokens: int) -> list[int]:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=tok.pad_token_id)
+        return out[0, ids.shape[1]:].tolist()
+
+    return generate
+
+
+def _generate(client, prompt, **params):
+    params.setdefault("details", True)
+    r = client.post("/generate", json={"inputs": prompt, "parameters": params})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _ids(response):
+    return [t["id"] for t in response["details"]["tokens"]]
+
+
+def test_ready_moves_from_loading_to_ready(served):
+    _, _, trace = served
+    assert trace[-1][0] == 200 and trace[-1][1]["phase"] == "ready"
+    not_ready = [body for status, body in trace if status == 503]
+    assert not_ready and not_ready[0]["phase"] == "loading" and "progress" in not_ready[0]
+    assert {body["phase"] for body in not_ready} <= {"loading", "warming_up"}
+
+
+def test_health_and_info(served):
+    server, path, _ = served
+    assert server.client.get("/health").json()["status"] == "ok"
+    info = server.client.get("/info").json()
+    assert info["model_id"] == path
+    assert info["mesh_shape"] == {"replicate": 1, "shard": 2}
+    assert info["max_total_tokens"] == 256 and info["max_input_tokens"] == 255
+    assert info["model_dtype"] == "float32"
+
+
+def test_greedy_matches_transformers(served, reference):
+    server, _, _ = served
+    for prompt in PROMPTS[:3]:
+        out = _generate(server.client, prompt, max_new_tokens=16)
+        expected = reference(prompt, 16)
+        assert _ids(out) == expected
+        assert out["generated_text"] == tokenizer().decode(expected, skip_special_tokens=True)
+        assert out["details"]["generated_tokens"] == len(expected)
+        assert out["details"]["finish_reason"] in ("length", "eos_token")
+
+
+def test_concurrent_requests_equal_their_solo_results(served, reference):
+    server, _, _ = served
+    lengths = [16, 24, 8, 20, 12, 32, 4, 28]
+    solo = [_ids(_generate(server.client, p, max_new_tokens=n)) for p, n in zip(PROMPTS, lengths)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_generate, server.client, p, max_new_tokens=n) for p, n in zip(PROMPTS, lengths)]
+        together = [_ids(f.result(timeout=120)) for f in futures]
+    assert together == solo
+    assert solo[5] == reference(PROMPTS[5], 32)
+
+
+def test_sequences_are_spread_over_ranks(served):
+    server, _, _ = served
+    before = server.client.get("/info").json()["ranks"]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda p: _generate(server.client, p, max_new_tokens=12), PROMPTS[:6]))
+    after = server.client.get("/info").json()["ranks"]
+    started = [a["sequences_started"] - b["sequences_started"] for a, b in zip(after, before)]
+    computed = [a["tokens_computed"] - b["tokens_computed"] for a, b in zip(after, before)]
+    assert sum(started) == 6 and all(n >= 2 for n in started), started
+    assert all(n > 0 for n in computed), computed
+
+
+def test_short_request_overtakes_a_long_one(served):
+    server, _, _ = served
+    finished = []
+    first_token = threading.Event()
+
+    def long_stream():
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            with c.stream("POST", "/generate_stream",
+                          json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 150}}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        first_token.set()
+        finished.append("long")
+
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    assert first_token.wait(60)
+    _generate(server.client, PROMPTS[2], max_new_tokens=4)
+    finished.append("short")
+    thread.join(120)
+    assert finished == ["short", "long"]
+
+
+def test_sse_format(served, reference):
+    server, _, _ = served
+    with server.client.stream("POST", "/generate_stream",
+                              json={"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 6}}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    blocks = [b for b in raw.split("\n\n") if b]
+    events = [json.loads(b.removeprefix("data:").strip()) for b in blocks]
+    assert all(b.startswith("data:") for b in blocks)
+    assert [e["index"] for e in events] == list(range(1, len(events) + 1))
+    assert [e["token"]["id"] for e in events] == reference(PROMPTS[0], 6)
+    assert all(e["generated_text"] is None and e["details"] is None for e in events[:-1])
+    last = events[-1]
+    assert last["generated_text"] == tokenizer().decode(reference(PROMPTS[0], 6), skip_special_tokens=True)
+    assert last["details"]["finish_reason"] in ("length", "eos_token")
+    assert last["details"]["generated_tokens"] == len(events)
+
+
+def test_seeded_sampling_is_reproducible(served):
+    server, _, _ = served
+    params = dict(max_new_tokens=12, do_sample=True, temperature=1.5, top_k=50, top_p=0.95, seed=1234)
+    a = _generate(server.client, PROMPTS[0], **params)
+    b = _generate(server.client, PROMPTS[0], **params)
+    c = _generate(server.client, PROMPTS[0], **{**params, "seed": 99})
+    assert _ids(a) == _ids(b) and a["details"]["seed"] == 1234
+    assert _ids(a) != _ids(c)
+    unseeded = _generate(server.client, PROMPTS[0], max_new_tokens=4, do_sample=True)
+    assert isinstance(unseeded["details"]["seed"], int)
+
+
+def test_stop_sequence_and_return_full_text(served, reference):
+    server, _, _ = served
+    tok = tokenizer()
+    full = tok.decode(reference(PROMPTS[2], 16), skip_special_tokens=True)
+    stop = full[4:7]
+    out = _generate(server.client, PROMPTS[2], max_new_tokens=16, stop=[stop], return_full_text=True)
+    assert out["details"]["finish_reason"] == "stop_sequence"
+    assert out["generated_text"].startswith(PROMPTS[2])
+    # Generation ends with the token that completed the stop sequence.
+    ids = _ids(out)
+    assert stop in tok.decode(ids, skip_special_tokens=True)
+    assert stop not in tok.decode(ids[:-1], skip_special_tokens=True)
+
+
+INVALID = [
+    ("not json", b"{inputs: nope", {"content-type": "application/json"}),
+    ("wrong type", {"inputs": 5}, None),
+    ("empty input", {"inputs": ""}, None),
+    ("no inputs", {"parameters": {}}, None),
+    ("zero new tokens", {"inputs": "a", "parameters": {"max_new_tokens": 0}}, None),
+    ("negative temperature", {"inputs": "a", "parameters": {"temperature": -1}}, None),
+    ("top_p too big", {"inputs": "a", "parameters": {"top_p": 1.5}}, None),
+    ("top_k zero", {"inputs": "a", "parameters": {"top_k": 0}}, None),
+    ("bad penalty", {"inputs": "a", "parameters": {"repetition_penalty": 0}}, None),
+    ("unknown parameter", {"inputs": "a", "parameters": {"max_tokens": 3}}, None),
+    ("over the limit", {"inputs": "a", "parameters": {"max_new_tokens": 100000}}, None),
+    ("prompt too long", {"inputs": "hsdp " * 400, "parameters": {"max_new_tokens": 1}}, None),
+    ("empty stop", {"inputs": "a", "parameters": {"stop": [""]}}, None),
+]
+
+
+@pytest.mark.parametrize("endpoint", ["/generate", "/generate_stream"])
+@pytest.mark.parametrize("case,body,headers", INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_requests_get_422_and_serving_goes_on(served, endpoint, case, body, headers):
+    server, _, _ = served
+    if isinstance(body, bytes):
+        r = server.client.post(endpoint, content=body, headers=headers)
+    else:
+        r = server.client.post(endpoint, json=body)
+    assert r.status_code == 422, (case, r.status_code, r.text)
+    error = r.json()
+    assert error["error_type"] == "validation" and error["error"], error
+    assert _generate(server.client, "ok", max_new_tokens=2)["details"]["generated_tokens"] >= 1
