@@ -60,16 +60,16 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
             "max_input_tokens": limits.max_input_tokens if limits else None,
             "max_total_tokens": limits.max_total_tokens if limits else None,
             "max_concurrent_requests": limits.max_concurrent_requests if limits else None,
+            "max_queued_requests": limits.max_queued_requests if limits else None,
             "version": __version__,
             "phase": state.phase,
         }
         scheduler = state.scheduler
         if scheduler is not None:
-            stats = [s for s in scheduler.rank_stats]
             body["ranks"] = [
-                {"rank": r, "sequences_started": s.sequences_started, "tokens_computed": s.tokens_computed,
-                 "active": s.active} if s is not None else {"rank": r}
-                for r, s in enumerate(stats)
+                {"rank": r, "pid": s.pid, "sequences_started": s.sequences_started,
+                 "tokens_computed": s.tokens_computed, "active": s.active} if s is not None else {"rank": r}
+                for r, s in enumerate(scheduler.rank_stats)
             ]
         return body
 

@@ -35,6 +35,9 @@ class ServeConfig:
     max_concurrent_requests: int = 128
     """Sequences decoding at once over the whole group; more wait in the queue."""
 
+    max_queued_requests: int = 256
+    """Requests waiting for admission beyond the running ones; more get 429."""
+
     max_input_tokens: int | None = None
     """Longest prompt; default max_total_tokens - 1."""
 
@@ -43,6 +46,9 @@ class ServeConfig:
 
     collective_timeout_s: float = 600.0
     """Bound on any single collective (a forward's all-gathers, a control step)."""
+
+    step_timeout_s: float = 300.0
+    """A step (one forward on every rank) longer than this dumps stacks and stops the group."""
 
     api_key: str | None = None
     """Require ``Authorization: Bearer <key>`` on every endpoint but the probes and /metrics."""
@@ -63,6 +69,10 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
+        if self.step_timeout_s <= 0:
+            raise ValueError("--step-timeout must be positive")
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
         if self.collective_timeout_s <= 0:
@@ -91,9 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", choices=LOG_LEVELS)
     p.add_argument("--max-concurrent-requests", type=int, default=128)
+    p.add_argument("--max-queued-requests", type=int, default=256)
     p.add_argument("--max-input-tokens", type=int)
     p.add_argument("--max-total-tokens", type=int)
     p.add_argument("--collective-timeout", dest="collective_timeout_s", type=float, default=600.0)
+    p.add_argument("--step-timeout", dest="step_timeout_s", type=float, default=300.0)
     p.add_argument("--api-key", default=os.environ.get("HSDP_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' (default: $HSDP_API_KEY; none: no check)")
     p.add_argument("--max-body-bytes", type=int, default=1024 * 1024)

@@ -34,17 +34,22 @@ class ControlChannel:
         return out
 
 
-def run_engine_loop(engine: RankEngine, channel: ControlChannel, scheduler=None) -> None:
+def run_engine_loop(engine: RankEngine, channel: ControlChannel, scheduler=None, watchdog=None) -> None:
     """Step until rank 0 plans a shutdown. Rank 0 passes its scheduler; the others pass None.
 
     Symmetry: every rank receives every plan and answers it, so all ranks take the same
-    number of steps and enter the same forwards.
+    number of steps and enter the same forwards. An exception on any rank ends its loop; the
+    others' next collective then fails (the peer is gone) or their watchdog fires.
     """
     while True:
         plan = channel.broadcast_plan(scheduler.next_plan() if scheduler is not None else None)
         if plan.shutdown:
             return
+        if watchdog is not None:
+            watchdog.step_started()
         result = engine.step(plan)
         results = channel.gather_results(result)
+        if watchdog is not None:
+            watchdog.step_finished()
         if scheduler is not None:
             scheduler.on_results(results)

@@ -10,6 +10,7 @@ The engine knows nothing of HTTP or of the control channel.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,7 @@ class StepResult:
     active: int  # sequences this rank holds after the step
     sequences_started: int  # cumulative, for the per-rank spread
     tokens_computed: int  # cumulative tokens this rank ran through the model
+    pid: int  # the rank's process, for operators
 
 
 class _Sequence:
@@ -83,7 +85,9 @@ class RankEngine:
         tokens: list[TokenResult] = []
         if plan.forward:
             tokens = self._forward() if self.sequences else self._idle_forward()
-        return StepResult(self.rank, tokens, len(self.sequences), self.sequences_started, self.tokens_computed)
+        return StepResult(
+            self.rank, tokens, len(self.sequences), self.sequences_started, self.tokens_computed, os.getpid()
+        )
 
     def _remove(self, seq_ids: list[int]) -> None:
         gone = [s for s in seq_ids if self.sequences.pop(s, None) is not None]

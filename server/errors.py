@@ -44,6 +44,13 @@ class BodyTooLargeError(APIError):
     openai_code = "request_too_large"
 
 
+class OverloadedError(APIError):
+    status_code = 429
+    error_type = "overloaded"
+    openai_type = "rate_limit_exceeded"
+    openai_code = "overloaded"
+
+
 class UnavailableError(APIError):
     status_code = 503
     error_type = "unavailable"

@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from server.errors import GenerationError, InputValidationError, UnavailableError
+from server.errors import GenerationError, InputValidationError, OverloadedError, UnavailableError
 from server.sampling import SamplingParams
 from server.scheduler import ErrorEvent, RequestHandle, TokenEvent, choose_seed
 from server.state import ServerState
@@ -37,7 +37,7 @@ def check_admission(state: ServerState, prompt_ids: list[int], max_new_tokens: i
 
 
 class RequestStream:
-    """One request's events, carried from the engine thread into this event loop."""
+    """One request, submitted on construction; its events carried from the engine thread into this loop."""
 
     def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams, stop: list[str]):
         loop = asyncio.get_running_loop()
@@ -49,11 +49,19 @@ class RequestStream:
         )
         self.arrived_at = time.monotonic()
         self.finished_at: float | None = None
+        self._submit()
+
+    def _submit(self) -> None:
+        """Hand the request to the scheduler; 429 when running and queued requests are at their bounds."""
+        if not self.state.scheduler.try_submit(self.handle):
+            self.state.metrics.failures.labels("overloaded").inc()
+            raise OverloadedError(
+                "overloaded: too many requests running and queued; retry later", headers={"Retry-After": "1"}
+            )
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         """Token events until the last (``event.finish`` set); frees the sequence if abandoned."""
         scheduler = self.state.scheduler
-        scheduler.submit(self.handle)
         try:
             while True:
                 event = await self.queue.get()
@@ -68,6 +76,30 @@ class RequestStream:
             if not self.handle.done:
                 self.state.metrics.failures.labels("cancelled").inc()
                 scheduler.cancel(self.handle)  # the client went away: freed on its rank next step
+
+    async def collect(self, request) -> list[TokenEvent]:
+        """All events of a non-streamed request; a client that disconnects first cancels it."""
+        collected: list[TokenEvent] = []
+
+        async def consume() -> None:
+            async for event in self.events():
+                collected.append(event)
+
+        async def watch_disconnect() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(watch_disconnect())
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not consumer.done():
+                consumer.cancel()  # its events() finally cancels the sequence
+                raise asyncio.CancelledError("client disconnected")
+        consumer.result()  # re-raise a generation error
+        return collected
 
     def timing_headers(self, validation_s: float) -> dict[str, str]:
         """text-generation-inference's per-request timing headers (milliseconds)."""

@@ -20,6 +20,7 @@ from server.launch import GroupError, configure_logging, init_rank, launch_group
 
 logger = logging.getLogger(__name__)
 _HTTP_START_TIMEOUT_S = 30.0
+_FAILURE_LINGER_S = 2.0
 
 
 def start_http_server(app, host: str, port: int):
@@ -46,7 +47,8 @@ def _resolve_limits(cfg: ServeConfig, model_config):
     inputs = cfg.max_input_tokens or total - 1
     if inputs >= total:
         raise ValueError(f"--max-input-tokens ({inputs}) must be < --max-total-tokens ({total})")
-    return Limits(max_input_tokens=inputs, max_total_tokens=total, max_concurrent_requests=cfg.max_concurrent_requests)
+    return Limits(max_input_tokens=inputs, max_total_tokens=total, max_concurrent_requests=cfg.max_concurrent_requests,
+                  max_queued_requests=cfg.max_queued_requests)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -84,6 +86,7 @@ def serve_rank(cfg: ServeConfig) -> None:
     from server.metrics import ServerMetrics
     from server.scheduler import Scheduler
     from server.state import ServerState
+    from server.watchdog import StepWatchdog
     from shard_engine import HSDPInferenceConfig
 
     hsdp = HSDPInferenceConfig(replicate_size=cfg.replicate_size, shard_size=cfg.shard_size)
@@ -111,6 +114,7 @@ def serve_rank(cfg: ServeConfig) -> None:
             limits = _resolve_limits(cfg, loaded.config)
             scheduler = Scheduler(
                 loaded.tokenizer, world_size=world_size, max_running=limits.max_concurrent_requests,
+                max_queued=limits.max_queued_requests,
                 max_total_tokens=limits.max_total_tokens, eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer),
                 metrics=state.metrics,
             )
@@ -123,16 +127,27 @@ def serve_rank(cfg: ServeConfig) -> None:
             state.set_phase("warming_up")
             _install_drain_handler(scheduler, state)
             _warm_up(scheduler, state, world_size)
-        run_engine_loop(engine, channel, scheduler)
+        watchdog = StepWatchdog(cfg.step_timeout_s, on_timeout=lambda why: _fail_open_requests(state, scheduler, why))
+        watchdog.start()
+        run_engine_loop(engine, channel, scheduler, watchdog)
+        watchdog.stop()
     except BaseException as e:
-        if state is not None:
-            state.set_phase("failed", f"{type(e).__name__}: {e}")
-            if scheduler is not None:
-                scheduler.fail_all("the model group failed")
+        _fail_open_requests(state, scheduler, f"{type(e).__name__}: {e}")
         raise
     finally:
         if http is not None:
             http.should_exit = True
+
+
+def _fail_open_requests(state, scheduler, reason: str) -> None:
+    """Rank 0, the group failing: answer every open request with an error and let probes see it."""
+    if state is None:
+        return
+    state.set_phase("failed", reason)
+    logger.error("the model group failed: %s", reason)
+    if scheduler is not None:
+        scheduler.fail_all(f"the model group failed: {reason}")
+    time.sleep(_FAILURE_LINGER_S)  # the error responses flush; /health answers 503 meanwhile
 
 
 def _install_drain_handler(scheduler, state) -> None:

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from server.errors import GenerationError, InputValidationError, error_body
@@ -126,7 +126,7 @@ def build_openai_router(state: ServerState) -> APIRouter:
         return ModelList(data=[ModelCard(id=state.model_id, created=created)])
 
     @router.post("/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         prompt_ids = state.tokenizer(req.prompt).input_ids
         max_new = check_admission(state, prompt_ids, req.max_tokens or 16)
         stream = RequestStream(state, prompt_ids, _sampling(req, max_new, req.logprobs or 0), req.stop_list)
@@ -151,7 +151,7 @@ def build_openai_router(state: ServerState) -> APIRouter:
         if req.stream:
             return StreamingResponse(stream_chunks(stream, req, chunk, "/v1/completions"),
                                      media_type="text/event-stream")
-        events = [e async for e in stream.events()]
+        events = await stream.collect(request)
         text = _cut_at_stop(events[-1].full_text, req.stop_list)
         choice = {"index": 0, "text": (req.prompt + text) if req.echo else text,
                   "finish_reason": _finish_reason(events[-1]), "logprobs": logprobs_of(events)}
@@ -159,7 +159,7 @@ def build_openai_router(state: ServerState) -> APIRouter:
                 "choices": [choice], "usage": _usage(stream)}
 
     @router.post("/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
         prompt_ids = _chat_prompt(state, req)
         top = (req.top_logprobs or 0) if req.logprobs else 0
         max_new = check_admission(state, prompt_ids, req.max_completion_tokens or req.max_tokens)
@@ -192,7 +192,7 @@ def build_openai_router(state: ServerState) -> APIRouter:
         if req.stream:
             return StreamingResponse(stream_chunks(stream, req, chunk, "/v1/chat/completions"),
                                      media_type="text/event-stream")
-        events = [e async for e in stream.events()]
+        events = await stream.collect(request)
         text = _cut_at_stop(events[-1].full_text, req.stop_list)
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
                   "finish_reason": _finish_reason(events[-1]), "logprobs": logprobs_of(events)}

@@ -73,12 +73,16 @@ class Scheduler:
         max_running: int,
         max_total_tokens: int,
         eos_token_ids: set[int],
+        max_queued: int = 256,
         idle_wait_s: float = 1.0,
         metrics=None,
     ):
         self.tokenizer = tokenizer
         self.world_size = world_size
         self.max_running = max_running
+        self.max_queued = max_queued
+        self._open = 0  # requests submitted and not yet finished or cancelled
+        self._open_lock = threading.Lock()
         self.max_total_tokens = max_total_tokens
         self.eos_token_ids = eos_token_ids
         self.special_ids = set(getattr(tokenizer, "all_special_ids", ()))
@@ -95,7 +99,24 @@ class Scheduler:
 
     # -- thread-safe entry points ------------------------------------------------------------
     def submit(self, handle: RequestHandle) -> None:
+        """Queue ``handle`` whatever the load (warm-up); requests go through ``try_submit``."""
+        with self._open_lock:
+            self._open += 1
         self._inbox.put(("submit", handle))
+
+    def try_submit(self, handle: RequestHandle) -> bool:
+        """Queue ``handle`` unless running and waiting requests are both at their bounds."""
+        with self._open_lock:
+            if self._open >= self.max_running + self.max_queued:
+                return False
+            self._open += 1
+        self._inbox.put(("submit", handle))
+        return True
+
+    def _close(self, handle: RequestHandle) -> None:
+        handle.done = True
+        with self._open_lock:
+            self._open -= 1
 
     def cancel(self, handle: RequestHandle) -> None:
         self._inbox.put(("cancel", handle))
@@ -156,7 +177,8 @@ class Scheduler:
     def _cancel(self, handle: RequestHandle) -> None:
         if handle.done:
             return
-        handle.cancelled = handle.done = True
+        handle.cancelled = True
+        self._close(handle)
         if handle.seq_id in self._running:
             self._to_remove.append(handle.seq_id)  # freed on its rank at the next step
         else:
@@ -199,7 +221,7 @@ class Scheduler:
         handle.text = text
         finish = None
         if reason is not None:
-            handle.done = True
+            self._close(handle)
             self._to_remove.append(handle.seq_id)  # freed on its rank at the next step
             seed = handle.params.seed if handle.params.samples else None
             finish = FinishEvent(reason, text, len(handle.generated), seed)
@@ -212,7 +234,7 @@ class Scheduler:
         """Answer every request still open with an error (the group is going down)."""
         for handle in list(self._running.values()) + list(self._waiting):
             if not handle.done:
-                handle.done = True
+                self._close(handle)
                 handle.deliver(ErrorEvent(message))
         self._running.clear()
         self._waiting.clear()

@@ -13,6 +13,7 @@ class Limits:
     max_input_tokens: int
     max_total_tokens: int
     max_concurrent_requests: int
+    max_queued_requests: int
 
 
 @dataclass

@@ -6,7 +6,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.errors import GenerationError, error_body
@@ -48,10 +48,10 @@ def _full_text(body: GenerateRequest, text: str) -> str:
 def build_tgi_router(state: ServerState) -> APIRouter:
     router = APIRouter()
 
-    async def generate(body: GenerateRequest) -> JSONResponse:
+    async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
         stream, validation_s = _start(state, body)
         tokens: list[Token] = []
-        async for event in stream.events():
+        for event in await stream.collect(request):
             tokens.append(_token(event))
             if (finish := event.finish) is not None:
                 details = None
@@ -87,9 +87,9 @@ def build_tgi_router(state: ServerState) -> APIRouter:
     router.add_api_route("/generate_stream", generate_stream, methods=["POST"])
 
     @router.post("/")
-    async def compat_generate(body: CompatGenerateRequest):
+    async def compat_generate(body: CompatGenerateRequest, request: Request):
         """TGI's compat route: ``/generate`` or, with ``"stream": true``, ``/generate_stream``."""
-        request = GenerateRequest(inputs=body.inputs, parameters=body.parameters)
-        return await (generate_stream(request) if body.stream else generate(request))
+        plain = GenerateRequest(inputs=body.inputs, parameters=body.parameters)
+        return await (generate_stream(plain) if body.stream else generate(plain, request))
 
     return router

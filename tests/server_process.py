@@ -74,3 +74,29 @@ class ServerProcess:
         if self._log is not subprocess.DEVNULL:
             self._log.close()
         return self.proc.returncode
+
+
+def session_pids(sid: int) -> list[int]:
+    """Every live process of session ``sid`` (the server was started in a session of its own)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid and _state(int(entry)) != "Z":
+                    pids.append(int(entry))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return pids
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def rank_pids(client) -> dict[int, int]:
+    """{rank: pid} as the server's /info reports them."""
+    return {r["rank"]: r["pid"] for r in client.get("/info").json()["ranks"]}

@@ -1,0 +1,151 @@
+"""Faults against the real server: overload, abandoned clients, a dead or stuck rank. Nothing hangs."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.checkpoints import write_checkpoint
+from tests.server_process import ServerProcess, rank_pids, session_pids
+
+# Long enough (tens of seconds) that nothing finishes by itself while a test provokes a fault.
+LONG = {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 3000}}
+ROOM = ("--max-total-tokens", "4000")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("faults") / "llama", "llama")
+
+
+def _stream_in_background(url, body, events, first_token):
+    def run():
+        try:
+            with httpx.Client(base_url=url, timeout=60) as c:
+                with c.stream("POST", "/generate_stream", json=body) as r:
+                    events.append(("status", r.status_code))
+                    for line in r.iter_lines():
+                        if line.startswith("data:"):
+                            events.append(("data", json.loads(line[5:])))
+                            first_token.set()
+        except httpx.HTTPError as e:
+            events.append(("transport", repr(e)))
+        events.append(("end", time.monotonic()))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_overload_gets_429_with_retry_after(model_dir, tmp_path):
+    server = ServerProcess(model_dir, log_path=tmp_path / "log",
+                           extra_args=(*ROOM, "--max-concurrent-requests", "1", "--max-queued-requests", "1"))
+    try:
+        server.poll_ready()
+        first_token = threading.Event()
+        for _ in range(2):
+            _stream_in_background(server.url, LONG, [], first_token)
+        assert first_token.wait(30)
+        time.sleep(0.5)  # one stream runs, the other is queued behind it
+        r = server.client.post("/generate", json={"inputs": "one more"})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error_type"] == "overloaded"
+        r = server.client.post("/v1/completions", json={"prompt": "one more"})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_exceeded"
+    finally:
+        server.stop()
+
+
+def test_abandoned_requests_are_freed(model_dir, tmp_path):
+    server = ServerProcess(model_dir, log_path=tmp_path / "log")
+    try:
+        server.poll_ready()
+
+        def abandon(i):
+            body = {"inputs": f"abandoned request {i}", "parameters": {"max_new_tokens": 200}}
+            if i % 2:  # a stream read up to its first token, then closed
+                with httpx.Client(base_url=server.url, timeout=30) as c:
+                    with c.stream("POST", "/generate_stream", json=body) as r:
+                        return next(r.iter_lines()).startswith("data:")
+            try:  # a plain request whose client gives up
+                with httpx.Client(base_url=server.url, timeout=0.3) as c:
+                    c.post("/generate", json=body)
+            except httpx.TimeoutException:
+                return True
+            return False
+
+        with concurrent.futures.ThreadPoolExecutor(20) as pool:
+            abandoned = sum(pool.map(abandon, range(100)))
+        assert abandoned >= 90
+        start = time.monotonic()
+        r = server.client.post("/generate", json={"inputs": "fresh", "parameters": {"max_new_tokens": 4}})
+        assert r.status_code == 200 and time.monotonic() - start < 5, server.log_tail()
+        metrics = server.client.get("/metrics").text
+        assert "hsdp_running_sequences 0.0" in metrics
+    finally:
+        server.stop()
+
+
+def _assert_group_gone(server, deadline_s):
+    sid = server.proc.pid
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline and server.proc.poll() is None:
+        time.sleep(0.1)
+    assert server.proc.poll() is not None, "the launcher did not exit"
+    assert server.proc.returncode != 0
+    while time.monotonic() < deadline and session_pids(sid):
+        time.sleep(0.1)
+    assert not session_pids(sid), "orphaned processes"
+
+
+def _provoke(model_dir, tmp_path, extra_args, fault, after_error=lambda ranks: None):
+    server = ServerProcess(model_dir, log_path=tmp_path / "log", extra_args=(*ROOM, *extra_args))
+    try:
+        server.poll_ready()
+        events, first = [], threading.Event()
+        thread = _stream_in_background(server.url, LONG, events, first)
+        assert first.wait(30)
+        ranks = rank_pids(server.client)
+        assert set(ranks) == {0, 1}
+        t0 = time.monotonic()
+        fault(ranks)
+        health = []
+        while time.monotonic() - t0 < 15 and server.proc.poll() is None:
+            try:
+                health.append(httpx.get(server.url + "/health", timeout=1).status_code)
+            except httpx.HTTPError:
+                health.append(None)
+            if thread.is_alive() is False:
+                break
+            time.sleep(0.1)
+        thread.join(max(0.0, 15 - (time.monotonic() - t0)))
+        assert not thread.is_alive(), "the in-flight request hung"
+        errors = [e for kind, e in events if kind == "data" and "error" in e]
+        assert errors or any(kind == "transport" for kind, _ in events), events[-3:]
+        after_error(ranks)
+        _assert_group_gone(server, 30)
+        return server, errors, health
+    finally:
+        server.stop()
+
+
+def test_killed_rank_takes_the_group_down(model_dir, tmp_path):
+    server, errors, health = _provoke(model_dir, tmp_path, (), lambda r: os.kill(r[1], signal.SIGKILL))
+    assert errors and "failed" in errors[0]["error"], server.log_tail()
+
+
+def test_stuck_step_trips_the_watchdog(model_dir, tmp_path):
+    # A stopped rank stands for a stuck one; once rank 0's watchdog has fired it is let go, so
+    # that the SIGTERM the launcher sends it can act (a stopped process cannot die of it).
+    server, errors, health = _provoke(model_dir, tmp_path, ("--step-timeout", "3"),
+                                      lambda r: os.kill(r[1], signal.SIGSTOP),
+                                      after_error=lambda r: os.kill(r[1], signal.SIGCONT))
+    log = open(tmp_path / "log").read()
+    assert "step timeout" in log and "Thread 0x" in log  # every thread's stack was dumped
+    assert errors and "step" in errors[0]["error"]
+    assert 503 in health
