@@ -47,6 +47,9 @@ class ServeConfig:
     collective_timeout_s: float = 600.0
     """Bound on any single collective (a forward's all-gathers, a control step)."""
 
+    shutdown_timeout_s: float = 30.0
+    """On SIGTERM, how long in-flight requests may take to finish before they are cut short."""
+
     step_timeout_s: float = 300.0
     """A step (one forward on every rank) longer than this dumps stacks and stops the group."""
 
@@ -71,6 +74,8 @@ class ServeConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("--shutdown-timeout must be >= 0")
         if self.step_timeout_s <= 0:
             raise ValueError("--step-timeout must be positive")
         if self.max_body_bytes < 1:
@@ -106,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int)
     p.add_argument("--collective-timeout", dest="collective_timeout_s", type=float, default=600.0)
     p.add_argument("--step-timeout", dest="step_timeout_s", type=float, default=300.0)
+    p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=30.0)
     p.add_argument("--api-key", default=os.environ.get("HSDP_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' (default: $HSDP_API_KEY; none: no check)")
     p.add_argument("--max-body-bytes", type=int, default=1024 * 1024)

@@ -12,14 +12,18 @@ whose text is one line; the traceback is logged at ``--log-level debug``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import multiprocessing
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -222,15 +226,57 @@ def _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, s
             start_method="spawn",  # fork after torch (or CUDA) is initialised is unsafe
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
             shutdown_timeout=shutdown_timeout_s,
+            signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM and SIGINT are ours, see below
         )
         logger.debug("launching %d rank(s), run id %s", nproc_per_node, config.run_id)
-        try:
-            results = elastic_launch(config, _run_rank)(entrypoint, args, log_level)
-        except ChildFailedError as e:
-            raise _summarize_failures(e.failures) from None
-        except SignalException as e:
-            raise GroupError(f"interrupted by {e.sigval.name}", exit_code=128 + int(e.sigval)) from None
+        with _passing_stop_signals_to_ranks(shutdown_timeout_s) as received:
+            try:
+                results = elastic_launch(config, _run_rank)(entrypoint, args, log_level)
+            except ChildFailedError as e:
+                error = _summarize_failures(e.failures)
+                if received:
+                    error.exit_code = 128 + received[0]
+                raise error from None
+            except SignalException as e:
+                raise GroupError(f"interrupted by {e.sigval.name}", exit_code=128 + int(e.sigval)) from None
     return results[0]
+
+
+@contextlib.contextmanager
+def _passing_stop_signals_to_ranks(grace_s: float) -> Iterator[list[int]]:
+    """SIGTERM/SIGINT to the launcher go on to the ranks, which end the group themselves.
+
+    torch's agent would handle them by no longer reading the ranks' results and waiting for the
+    ranks to die; a rank that drains and returns would then wait for ever for its result to be
+    read, until the agent's SIGKILL. Here the agent keeps reading, so a drained group exits 0.
+    A second signal, or ``grace_s`` after the first, kills the ranks.
+    """
+    received: list[int] = []
+
+    def kill_ranks() -> None:
+        for child in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGKILL)
+
+    def on_signal(signum, _frame) -> None:
+        received.append(signum)
+        if len(received) > 1:
+            kill_ranks()
+            return
+        logger.warning("%s: passed on to the ranks (again to stop them at once)", signal.Signals(signum).name)
+        for child in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signum)
+        timer = threading.Timer(grace_s, kill_ranks)
+        timer.daemon = True
+        timer.start()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _summarize_failures(failures: dict) -> GroupError:

@@ -125,8 +125,10 @@ def serve_rank(cfg: ServeConfig) -> None:
             state.dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
             state.limits, state.tokenizer, state.scheduler = limits, loaded.tokenizer, scheduler
             state.set_phase("warming_up")
-            _install_drain_handler(scheduler, state)
+            _install_drain_handler(scheduler, state, cfg.shutdown_timeout_s)
             _warm_up(scheduler, state, world_size)
+        else:
+            _ignore_stop_signals()
         watchdog = StepWatchdog(cfg.step_timeout_s, on_timeout=lambda why: _fail_open_requests(state, scheduler, why))
         watchdog.start()
         run_engine_loop(engine, channel, scheduler, watchdog)
@@ -150,14 +152,41 @@ def _fail_open_requests(state, scheduler, reason: str) -> None:
     time.sleep(_FAILURE_LINGER_S)  # the error responses flush; /health answers 503 meanwhile
 
 
-def _install_drain_handler(scheduler, state) -> None:
+def _install_drain_handler(scheduler, state, timeout_s: float) -> None:
     def drain(signum, _frame) -> None:
-        logger.warning("%s: draining (in-flight requests finish, new ones get 503)", signal.Signals(signum).name)
+        logger.warning("%s: draining (in-flight requests finish within %g s, new ones get 503)",
+                       signal.Signals(signum).name, timeout_s)
         state.set_phase("draining")
-        scheduler.request_shutdown()
+        scheduler.request_shutdown(timeout_s)
 
     signal.signal(signal.SIGTERM, drain)
     signal.signal(signal.SIGINT, drain)
+
+
+def _ignore_stop_signals() -> None:
+    # The launcher (or torchrun) passes SIGTERM/SIGINT to every rank; only rank 0 decides when the
+    # group stops, and its shutdown plan ends every rank's loop. A rank whose peers are gone still
+    # ends: its next collective fails, and the launcher's SIGKILL follows its shutdown timeout.
+    def note(signum, _frame) -> None:
+        logger.info("%s: waiting for rank 0 to end the group", signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, note)
+    signal.signal(signal.SIGINT, note)
+
+
+def _check_before_launch(cfg: ServeConfig) -> None:
+    """What can fail before any rank starts fails here, in one line."""
+    from server.launch import is_under_torchrun
+    from shard_engine import HSDPInferenceConfig
+
+    if not os.path.isdir(cfg.model):
+        raise ValueError(f"--model {cfg.model}: no such directory")
+    if not os.access(cfg.model, os.R_OK | os.X_OK):
+        raise ValueError(f"--model {cfg.model}: not readable")
+    if not is_under_torchrun():
+        HSDPInferenceConfig(replicate_size=cfg.replicate_size, shard_size=cfg.shard_size).resolve_mesh_shape(
+            cfg.nproc_per_node
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -170,7 +199,9 @@ def main(argv: list[str] | None = None) -> None:
             cfg.model = ensure_demo_checkpoint()  # before the ranks start, so they never race
             logger.info("serving the demo checkpoint %s (random weights: the text is random)", cfg.model)
         cfg.model = os.path.abspath(cfg.model)
-        launch_group(serve_rank, (cfg,), nproc_per_node=cfg.nproc_per_node, log_level=cfg.log_level)
+        _check_before_launch(cfg)
+        launch_group(serve_rank, (cfg,), nproc_per_node=cfg.nproc_per_node, log_level=cfg.log_level,
+                     shutdown_timeout_s=int(cfg.shutdown_timeout_s) + 15)
     except GroupError as e:
         print(f"hsdp-serve: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

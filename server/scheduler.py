@@ -94,6 +94,7 @@ class Scheduler:
         self._to_remove: list[int] = []
         self._ids = itertools.count()
         self._shutdown = threading.Event()
+        self._shutdown_deadline = float("inf")
         self.per_rank_active = [0] * world_size
         self.rank_stats: list[StepResult | None] = [None] * world_size
 
@@ -121,7 +122,9 @@ class Scheduler:
     def cancel(self, handle: RequestHandle) -> None:
         self._inbox.put(("cancel", handle))
 
-    def request_shutdown(self) -> None:
+    def request_shutdown(self, timeout_s: float = float("inf")) -> None:
+        """Stop once the open requests have finished, or after ``timeout_s`` whatever remains."""
+        self._shutdown_deadline = time.monotonic() + timeout_s
         self._shutdown.set()
         self._inbox.put(("wake", None))
 
@@ -155,6 +158,8 @@ class Scheduler:
             self._running[handle.seq_id] = handle
             plan.add.append(NewSequence(handle.seq_id, handle.rank, handle.prompt_ids, handle.params))
         plan.forward = bool(self._running)
+        if self._shutdown.is_set() and time.monotonic() > self._shutdown_deadline:
+            self.fail_all("the server is shutting down: the shutdown timeout cut this request short")
         plan.shutdown = self._shutdown.is_set() and not self._running and not self._waiting
         return plan
 

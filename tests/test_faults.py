@@ -149,3 +149,42 @@ def test_stuck_step_trips_the_watchdog(model_dir, tmp_path):
     assert "step timeout" in log and "Thread 0x" in log  # every thread's stack was dumped
     assert errors and "step" in errors[0]["error"]
     assert 503 in health
+
+
+def _drain(model_dir, tmp_path, target):
+    """SIGTERM while a request streams: it finishes, new requests get 503, the group exits."""
+    server = ServerProcess(model_dir, log_path=tmp_path / "log", extra_args=(*ROOM, "--shutdown-timeout", "60"))
+    try:
+        server.poll_ready()
+        events, first = [], threading.Event()
+        body = {"inputs": "draining", "parameters": {"max_new_tokens": 400}}
+        thread = _stream_in_background(server.url, body, events, first)
+        assert first.wait(30)
+        os.kill(target(server), signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        ready = None
+        while time.monotonic() < deadline:
+            ready = server.client.get("/ready")
+            if ready.status_code == 503:
+                break
+            time.sleep(0.05)
+        assert ready.status_code == 503 and ready.json()["phase"] == "draining"
+        r = server.client.post("/generate", json={"inputs": "too late"})
+        assert r.status_code == 503 and r.json()["error_type"] == "unavailable"
+        thread.join(60)
+        data = [e for kind, e in events if kind == "data"]
+        assert data[-1]["details"]["generated_tokens"] == len(data), data[-1]
+        server.proc.wait(60)
+        assert not session_pids(server.proc.pid)
+        return server.proc.returncode
+    finally:
+        server.stop()
+
+
+def test_sigterm_to_rank0_drains_and_every_rank_exits_0(model_dir, tmp_path):
+    # The launcher exits 0 only when every rank did.
+    assert _drain(model_dir, tmp_path, lambda s: rank_pids(s.client)[0]) == 0
+
+
+def test_sigterm_to_the_launcher_drains_and_every_rank_exits_0(model_dir, tmp_path):
+    assert _drain(model_dir, tmp_path, lambda s: s.proc.pid) == 0
