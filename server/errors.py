@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 class APIError(Exception):
@@ -98,6 +99,16 @@ def register_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return error_response(exc, request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own: 400 for a body it cannot decode (invalid UTF-8), 404, 405.
+        if exc.status_code == 400:
+            return error_response(InputValidationError(f"malformed request body: {exc.detail}"), request.url.path)
+        error = APIError(str(exc.detail), headers=getattr(exc, "headers", None))
+        error.status_code = exc.status_code
+        error.error_type = error.openai_type = "not_found" if exc.status_code == 404 else "http_error"
+        return error_response(error, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -200,6 +200,16 @@ INVALID = [
     ("over the limit", {"inputs": "a", "parameters": {"max_new_tokens": 100000}}, None),
     ("prompt too long", {"inputs": "hsdp " * 400, "parameters": {"max_new_tokens": 1}}, None),
     ("empty stop", {"inputs": "a", "parameters": {"stop": [""]}}, None),
+    ("10000 stops", {"inputs": "a", "parameters": {"stop": ["x"] * 10000}}, None),
+    ("invalid utf-8", b'{"inputs": "\xff\xfe\xfd"}', {"content-type": "application/json"}),
+    ("NaN", b'{"inputs": "a", "parameters": {"temperature": NaN}}', {"content-type": "application/json"}),
+    ("Infinity", b'{"inputs": "a", "parameters": {"top_p": Infinity}}', {"content-type": "application/json"}),
+    ("huge number", {"inputs": "a", "parameters": {"max_new_tokens": 10**30}}, None),
+    ("negative seed", {"inputs": "a", "parameters": {"seed": -1}}, None),
+    ("negative tokens", {"inputs": "a", "parameters": {"max_new_tokens": -5}}, None),
+    ("parameters not an object", {"inputs": "a", "parameters": []}, None),
+    ("body not an object", [1, 2, 3], None),
+    ("long prompt", {"inputs": "the server " * 40000}, None),
 ]
 
 
