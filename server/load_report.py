@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from loaders import READ_MODES, load_hsdp_model
+from server.config import DTYPES
 from server.launch import (
     DEVICE_TYPES,
     LOG_LEVELS,
@@ -37,7 +38,6 @@ from server.launch import (
 from shard_engine import HSDPInferenceConfig
 
 PROG = "hsdp-load"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_NPROC_PER_NODE = 2
 DEFAULT_PROMPT = "Once upon a time"
 

@@ -121,6 +121,17 @@ def build_openai_router(state: ServerState) -> APIRouter:
             yield frame(error_body(e, path))
         yield "data: [DONE]\n\n"
 
+    async def respond(stream: RequestStream, req, request: Request, rid: str, now: int, obj: str,
+                      chunk, make_choice):
+        """The stream of chunks, or the whole response with ``make_choice(text, events)`` as its choice."""
+        path = request.url.path
+        if req.stream:
+            return StreamingResponse(stream_chunks(stream, req, chunk, path), media_type="text/event-stream")
+        events = await stream.collect(request)
+        text = _cut_at_stop(events[-1].full_text, req.stop_list)
+        return {"id": rid, "object": obj, "created": now, "model": state.model_id,
+                "choices": [make_choice(text, events)], "usage": _usage(stream)}
+
     @router.get("/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=state.model_id, created=created)])
@@ -148,15 +159,11 @@ def build_openai_router(state: ServerState) -> APIRouter:
             return {"id": rid, "object": "text_completion", "created": now, "model": state.model_id,
                     "choices": [choice]}
 
-        if req.stream:
-            return StreamingResponse(stream_chunks(stream, req, chunk, "/v1/completions"),
-                                     media_type="text/event-stream")
-        events = await stream.collect(request)
-        text = _cut_at_stop(events[-1].full_text, req.stop_list)
-        choice = {"index": 0, "text": (req.prompt + text) if req.echo else text,
-                  "finish_reason": _finish_reason(events[-1]), "logprobs": logprobs_of(events)}
-        return {"id": rid, "object": "text_completion", "created": now, "model": state.model_id,
-                "choices": [choice], "usage": _usage(stream)}
+        def choice(text, events) -> dict:
+            return {"index": 0, "text": (req.prompt + text) if req.echo else text,
+                    "finish_reason": _finish_reason(events[-1]), "logprobs": logprobs_of(events)}
+
+        return await respond(stream, req, request, rid, now, "text_completion", chunk, choice)
 
     @router.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -189,14 +196,10 @@ def build_openai_router(state: ServerState) -> APIRouter:
             return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": state.model_id,
                     "choices": [choice]}
 
-        if req.stream:
-            return StreamingResponse(stream_chunks(stream, req, chunk, "/v1/chat/completions"),
-                                     media_type="text/event-stream")
-        events = await stream.collect(request)
-        text = _cut_at_stop(events[-1].full_text, req.stop_list)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": _finish_reason(events[-1]), "logprobs": logprobs_of(events)}
-        return {"id": rid, "object": "chat.completion", "created": now, "model": state.model_id,
-                "choices": [choice], "usage": _usage(stream)}
+        def choice(text, events) -> dict:
+            return {"index": 0, "message": {"role": "assistant", "content": text},
+                    "finish_reason": _finish_reason(events[-1]), "logprobs": logprobs_of(events)}
+
+        return await respond(stream, req, request, rid, now, "chat.completion", chunk, choice)
 
     return router
