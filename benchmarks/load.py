@@ -16,17 +16,18 @@ Prints one JSON line per method, then one with the ratios to the baselines and w
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
+import pathlib
 import shutil
 import sys
 import tempfile
 import threading
 import time
-import traceback
 
 import torch
+
+from tests.dist import run_ranks, values
 
 DEFAULT_OUT_DIR = os.path.expanduser("~/.cache/hsdp-serve/bench-llama-1.5g")
 METHODS = ("sliced", "full", "from_pretrained", "dcp")
@@ -190,115 +191,76 @@ def checksum_local_shards(model) -> float:
     )
 
 
-def run_rank(rank: int, world_size: int, method: str, model_dir: str, run_dir: str, profile_path: str | None,
-             run_forward: bool):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def run_rank(rank: int, world_size: int, method: str, model_dir: str, profile_path: str | None,
+             run_forward: bool) -> dict:
+    """One rank's load with ``method`` (the process group is up, one thread per rank); its figures."""
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loaders.stats import reset_peak_rss
+
     result: dict = {"rank": rank}
-    try:
-        import torch.distributed as dist
-        import transformers  # noqa: F401
-        from transformers import AutoConfig, AutoModelForCausalLM
+    # Import the model's modeling module (Python code only, no weights): a server has it loaded already.
+    AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(model_dir))]
+    load = {
+        "sliced": lambda: load_with_loader(model_dir, "sliced"),
+        "full": lambda: load_with_loader(model_dir, "full"),
+        "from_pretrained": lambda: load_from_pretrained(model_dir),
+        "dcp": lambda: load_dcp(model_dir),
+    }[method]
+    dist.barrier()
 
-        import loaders  # noqa: F401
-        from loaders.stats import reset_peak_rss
+    before, rchar_before = read_status(), read_rchar()
+    sampler = PeakSampler()
+    reset_peak_rss()
+    sampler.start()
+    profiler = None
+    if profile_path:
+        import cProfile
 
-        torch.set_num_threads(1)  # 2 ranks on 2 cores
-        store = dist.FileStore(os.path.join(run_dir, "store"), world_size)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300)
-        )
-        # Import the model's modeling module (Python code only, no weights): a server has it loaded already.
-        AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(model_dir))]
-        load = {
-            "sliced": lambda: load_with_loader(model_dir, "sliced"),
-            "full": lambda: load_with_loader(model_dir, "full"),
-            "from_pretrained": lambda: load_from_pretrained(model_dir),
-            "dcp": lambda: load_dcp(model_dir),
-        }[method]
-        dist.barrier()
+        profiler = cProfile.Profile()
+        profiler.enable()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    model, extra = load()
+    model.eval()
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    if profiler:
+        profiler.disable()
+        profiler.dump_stats(f"{profile_path}-rank{rank}.prof")
+    hwm = read_status()["VmHWM"]
+    sampler.stop()
+    rchar = read_rchar() - rchar_before
+    dist.barrier()
 
-        before, rchar_before = read_status(), read_rchar()
-        sampler = PeakSampler()
-        reset_peak_rss()
-        sampler.start()
-        profiler = None
-        if profile_path:
-            import cProfile
-
-            profiler = cProfile.Profile()
-            profiler.enable()
-        start, cpu_start = time.perf_counter(), time.process_time()
-        model, extra = load()
-        model.eval()
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        if profiler:
-            profiler.disable()
-            profiler.dump_stats(f"{profile_path}-rank{rank}.prof")
-        hwm = read_status()["VmHWM"]
-        sampler.stop()
-        rchar = read_rchar() - rchar_before
-        dist.barrier()
-
-        result.update(
-            time_to_ready_s=round(elapsed, 3),
-            cpu_s=round(cpu, 3),  # user + sys of all threads: less sensitive than wall time to a busy machine
-            peak_rss_added_bytes=hwm - before["VmRSS"],
-            peak_anon_added_bytes=sampler.peak_anon - before["RssAnon"],
-            peak_file_added_bytes=sampler.peak_file - before["RssFile"],
-            rchar_bytes=rchar,
-            bytes_read=extra.pop("bytes_read", rchar),
-            checksum=checksum_local_shards(model),
-            **extra,
-        )
-        if run_forward:
-            with torch.no_grad():  # every rank runs the forward: it all-gathers the parameters
-                ids = (torch.arange(1, 9) * 997 % model.config.vocab_size).unsqueeze(0)
-                logits = model(input_ids=ids).logits.float()
-            if rank == 0:
-                torch.save(logits, os.path.join(run_dir, "logits.pt"))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-    with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    result.update(
+        time_to_ready_s=round(elapsed, 3),
+        cpu_s=round(cpu, 3),  # user + sys of all threads: less sensitive than wall time to a busy machine
+        peak_rss_added_bytes=hwm - before["VmRSS"],
+        peak_anon_added_bytes=sampler.peak_anon - before["RssAnon"],
+        peak_file_added_bytes=sampler.peak_file - before["RssFile"],
+        rchar_bytes=rchar,
+        bytes_read=extra.pop("bytes_read", rchar),
+        checksum=checksum_local_shards(model),
+        **extra,
+    )
+    if run_forward:
+        with torch.no_grad():  # every rank runs the forward: it all-gathers the parameters
+            ids = (torch.arange(1, 9) * 997 % model.config.vocab_size).unsqueeze(0)
+            logits = model(input_ids=ids).logits.float()
+        if rank == 0:
+            result["logits"] = logits
+    dist.barrier()
+    return result
 
 
 # -- the parent ----------------------------------------------------------------------------------
 def run_method(method: str, model_dir: str, nproc: int, profile_path: str | None, run_forward: bool):
     """One load with ``method`` on ``nproc`` fresh processes; per-rank results and rank 0's logits (or None)."""
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory(prefix=f"bench-{method}-") as run_dir:
-        ctx = mp.get_context("spawn")
-        procs = [
-            ctx.Process(target=run_rank, args=(r, nproc, method, model_dir, run_dir, profile_path, run_forward),
-                        daemon=True)
-            for r in range(nproc)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        if hung:
-            raise TimeoutError(f"{method}: ranks {hung} still running after {RUN_TIMEOUT_S} s")
-        results = []
-        for r in range(nproc):
-            path = os.path.join(run_dir, f"rank{r}.json")
-            if not os.path.isfile(path):
-                raise RuntimeError(f"{method}: rank {r} exited with code {procs[r].exitcode} and no result")
-            with open(path) as f:
-                results.append(json.load(f))
-        errors = [res["error"] for res in results if "error" in res]
-        if errors:
-            raise RuntimeError(f"{method} failed:\n" + "\n".join(errors))
-        return results, (torch.load(os.path.join(run_dir, "logits.pt")) if run_forward else None)
+        results = values(run_ranks(run_rank, nproc, pathlib.Path(run_dir), method, model_dir, profile_path,
+                                   run_forward, timeout=RUN_TIMEOUT_S, pg_timeout_s=300))
+    logits = results[0].pop("logits", None)
+    return results, logits
 
 
 def check_against_reference(method: str, logits, checksums, reference) -> dict:

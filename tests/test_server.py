@@ -3,7 +3,6 @@
 import concurrent.futures
 import json
 import threading
-import time
 
 import httpx
 import pytest

@@ -1,5 +1,6 @@
 """Launch paths of the real server: under torchrun directly, and idle past the collective timeout."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -58,9 +59,27 @@ def test_runs_under_torchrun(model_dir, tmp_path):
         log_text = open(tmp_path / "log").read()
         assert "[rank0]" in log_text
     finally:
+        # torchrun passes SIGTERM to its workers (in sessions of their own, out of killpg's reach)
+        # and waits for them: the group drains and exits.
+        proc.send_signal(signal.SIGTERM)
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(10)
-        log.close()
+            proc.wait(60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            log.close()
+        assert not _processes_mentioning(model_dir), "torchrun left workers behind"
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids

@@ -52,7 +52,7 @@ def _in_subtree(owner, unit):
 @pytest.mark.parametrize("arch,seed", [("llama", 1), ("qwen2", 2)])
 def test_shuffled_files_give_identical_weights_and_shard_on_last_tensor(tmp_path, checkpoints, arch, seed):
     path = str(tmp_path / "shuffled")
-    file_order = _shuffled_copy(checkpoints[arch], path, seed)
+    _shuffled_copy(checkpoints[arch], path, seed)
     reference = {}
     for name in os.listdir(checkpoints[arch]):
         if name.endswith(".safetensors"):
