@@ -44,7 +44,8 @@ def _stream_in_background(url, body, events, first_token):
 
 def test_overload_gets_429_with_retry_after(model_dir, tmp_path):
     server = ServerProcess(model_dir, log_path=tmp_path / "log",
-                           extra_args=(*ROOM, "--max-concurrent-requests", "1", "--max-queued-requests", "1"))
+                           extra_args=(*ROOM, "--max-concurrent-requests", "1", "--max-queued-requests", "1",
+                                       "--shutdown-timeout", "1"))
     try:
         server.poll_ready()
         first_token = threading.Event()
