@@ -145,7 +145,7 @@ class RankEngine:
         logits_SV = out.logits[0]
         results = []
         for s, logits_V in zip(seqs, logits_SV):
-            token, logprob, top = s.selector.select(logits_V, torch.tensor(s.ids))
+            token, logprob, top = s.selector.select(logits_V, s.ids)
             s.ids.append(token)
             s.pending = [token]
             results.append(TokenResult(s.seq_id, token, logprob, top))

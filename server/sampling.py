@@ -65,11 +65,13 @@ class TokenSelector:
         if params.samples:
             self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
 
-    def select(self, logits_V: torch.Tensor, ids_L: torch.Tensor) -> tuple[int, float, list[tuple[int, float]]]:
+    def select(self, logits_V: torch.Tensor, ids: list[int]) -> tuple[int, float, list[tuple[int, float]]]:
         """The next token, its log-probability under the model (before processors), and the
         ``top_logprobs`` most likely tokens with theirs."""
         logits_1V = logits_V.float().unsqueeze(0)
-        scores_1V = self.processors(ids_L.unsqueeze(0), logits_1V) if self.processors else logits_1V
+        scores_1V = logits_1V
+        if self.processors:  # only they read the sequence so far (the repetition penalty)
+            scores_1V = self.processors(torch.tensor([ids], device=logits_V.device), logits_1V)
         if self.generator is not None:
             probs_1V = torch.softmax(scores_1V, dim=-1)
             token = int(torch.multinomial(probs_1V.cpu(), 1, generator=self.generator))

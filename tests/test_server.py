@@ -44,11 +44,11 @@ def reference(served):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = tokenizer()
 
-    def generate(prompt: str, max_new_tokens: int) -> list[int]:
+    def generate(prompt: str, max_new_tokens: int, **kwargs) -> list[int]:
         ids = tok(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=tok.pad_token_id)
+                                 do_sample=False, pad_token_id=tok.pad_token_id, **kwargs)
         return out[0, ids.shape[1]:].tolist()
 
     return generate
@@ -92,6 +92,14 @@ def test_greedy_matches_transformers(served, reference):
         assert out["generated_text"] == tokenizer().decode(expected, skip_special_tokens=True)
         assert out["details"]["generated_tokens"] == len(expected)
         assert out["details"]["finish_reason"] in ("length", "eos_token")
+
+
+def test_repetition_penalty_matches_transformers(served, reference):
+    server, _, _ = served
+    out = _generate(server.client, PROMPTS[1], max_new_tokens=16, repetition_penalty=1.5)
+    expected = reference(PROMPTS[1], 16, repetition_penalty=1.5)
+    assert _ids(out) == expected
+    assert expected != reference(PROMPTS[1], 16)  # the penalty changed something
 
 
 def test_concurrent_requests_equal_their_solo_results(served, reference):
