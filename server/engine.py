@@ -43,6 +43,7 @@ class TokenResult:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    error: str | None = None  # choosing this sequence's token failed; the sequence is dropped
 
 
 @dataclass
@@ -143,10 +144,16 @@ class RankEngine:
         self.col_seq_C, self.col_pos_C = k_seq_K, k_pos_K
         self.tokens_computed += len(ids)
         logits_SV = out.logits[0]
-        results = []
+        results, failed = [], []
         for s, logits_V in zip(seqs, logits_SV):
-            token, logprob, top = s.selector.select(logits_V, s.ids)
+            try:
+                token, logprob, top = s.selector.select(logits_V, s.ids)
+            except Exception as e:  # noqa: BLE001 - one sequence's bad parameters must not stop the group
+                results.append(TokenResult(s.seq_id, -1, 0.0, error=f"{type(e).__name__}: {e}"))
+                failed.append(s.seq_id)
+                continue
             s.ids.append(token)
             s.pending = [token]
             results.append(TokenResult(s.seq_id, token, logprob, top))
+        self._remove(failed)
         return results

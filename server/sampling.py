@@ -72,11 +72,13 @@ class TokenSelector:
         scores_1V = logits_1V
         if self.processors:  # only they read the sequence so far (the repetition penalty)
             scores_1V = self.processors(torch.tensor([ids], device=logits_V.device), logits_1V)
-        if self.generator is not None:
-            probs_1V = torch.softmax(scores_1V, dim=-1)
+        probs_1V = torch.softmax(scores_1V, dim=-1) if self.generator is not None else None
+        if probs_1V is not None and torch.isfinite(probs_1V).all():
             token = int(torch.multinomial(probs_1V.cpu(), 1, generator=self.generator))
         else:
-            token = int(torch.argmax(scores_1V, dim=-1))
+            # Greedy, or a distribution degenerate past float range (temperature -> 0 and the like,
+            # whose limit is greedy): the most likely token under the model.
+            token = int(torch.argmax(logits_1V if probs_1V is not None else scores_1V, dim=-1))
         logprobs_V = torch.log_softmax(logits_1V[0], dim=-1)
         top: list[tuple[int, float]] = []
         if self.params.top_logprobs:

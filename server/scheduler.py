@@ -197,7 +197,13 @@ class Scheduler:
             self.rank_stats[result.rank] = result
             for token in result.tokens:
                 handle = self._running.get(token.seq_id)
-                if handle is not None and not handle.done:
+                if handle is None or handle.done:
+                    continue
+                if token.error is not None:
+                    self._close(handle)
+                    self._to_remove.append(handle.seq_id)  # already dropped on its rank
+                    handle.deliver(ErrorEvent(f"generation failed: {token.error}"))
+                else:
                     self._on_token(handle, token)
 
     def _on_token(self, handle: RequestHandle, result) -> None:

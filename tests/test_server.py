@@ -102,6 +102,14 @@ def test_repetition_penalty_matches_transformers(served, reference):
     assert expected != reference(PROMPTS[1], 16)  # the penalty changed something
 
 
+def test_degenerate_sampling_is_greedy_and_serving_goes_on(served, reference):
+    # temperature -> 0 overflows the scaled logits; its limit, greedy, is what comes back.
+    server, _, _ = served
+    out = _generate(server.client, PROMPTS[0], max_new_tokens=8, do_sample=True, temperature=1e-300, seed=1)
+    assert _ids(out) == reference(PROMPTS[0], 8)
+    assert server.client.get("/health").status_code == 200
+
+
 def test_concurrent_requests_equal_their_solo_results(served, reference):
     server, _, _ = served
     lengths = [16, 24, 8, 20, 12, 32, 4, 28]
