@@ -76,6 +76,8 @@ class RankEngine:
         self.tokens_computed = 0
         param = next(model.parameters())
         self.mask_dtype = param.dtype if param.is_floating_point() else torch.float32
+        self.forwards = 0
+        self.fault_at = _injected_fault(rank)
 
     def step(self, plan: StepPlan) -> StepResult:
         self._remove(plan.remove)
@@ -85,6 +87,9 @@ class RankEngine:
                 self.sequences_started += 1
         tokens: list[TokenResult] = []
         if plan.forward:
+            self.forwards += 1
+            if self.fault_at is not None and self.forwards >= self.fault_at:
+                raise RuntimeError(f"injected fault in forward {self.forwards} on rank {self.rank}")
             tokens = self._forward() if self.sequences else self._idle_forward()
         return StepResult(
             self.rank, tokens, len(self.sequences), self.sequences_started, self.tokens_computed, os.getpid()
@@ -157,3 +162,16 @@ class RankEngine:
             results.append(TokenResult(s.seq_id, token, logprob, top))
         self._remove(failed)
         return results
+
+
+FAULT_ENV = "HSDP_INJECT_FORWARD_FAULT"
+
+
+def _injected_fault(rank: int) -> int | None:
+    """Fault injection for failure tests: ``HSDP_INJECT_FORWARD_FAULT=RANK:N`` makes that rank's
+    N-th forward (counting one-token idle forwards) raise, as an out-of-memory error would."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    target, _, count = spec.partition(":")
+    return int(count or 1) if int(target) == rank else None

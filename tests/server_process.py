@@ -100,3 +100,12 @@ def _state(pid: int) -> str:
 def rank_pids(client) -> dict[int, int]:
     """{rank: pid} as the server's /info reports them."""
     return {r["rank"]: r["pid"] for r in client.get("/info").json()["ranks"]}
+
+
+def wait_session_gone(sid: int, timeout: float = 10) -> list[int]:
+    """Wait for session ``sid`` to empty (helpers such as multiprocessing's resource tracker
+    leave a moment after the launcher); returns what is left after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (left := session_pids(sid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.checkpoints import write_checkpoint
-from tests.server_process import ServerProcess, rank_pids, session_pids
+from tests.server_process import ServerProcess, rank_pids, wait_session_gone
 
 # Long enough (tens of seconds) that nothing finishes by itself while a test provokes a fault.
 LONG = {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 3000}}
@@ -99,9 +99,7 @@ def _assert_group_gone(server, deadline_s):
         time.sleep(0.1)
     assert server.proc.poll() is not None, "the launcher did not exit"
     assert server.proc.returncode != 0
-    while time.monotonic() < deadline and session_pids(sid):
-        time.sleep(0.1)
-    assert not session_pids(sid), "orphaned processes"
+    assert not wait_session_gone(sid, max(1.0, deadline - time.monotonic())), "orphaned processes"
 
 
 def _provoke(model_dir, tmp_path, extra_args, fault, after_error=lambda ranks: None):
@@ -140,6 +138,15 @@ def test_killed_rank_takes_the_group_down(model_dir, tmp_path):
     assert errors and "failed" in errors[0]["error"], server.log_tail()
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_exception_in_forward_takes_the_group_down(model_dir, tmp_path, monkeypatch, rank):
+    # The rank's 30th forward raises, a few tokens into the long request (warm-up takes 2).
+    monkeypatch.setenv("HSDP_INJECT_FORWARD_FAULT", f"{rank}:30")
+    server, errors, health = _provoke(model_dir, tmp_path, (), lambda r: None)
+    assert errors and "failed" in errors[0]["error"], server.log_tail()
+    assert "injected fault" in open(tmp_path / "log").read()
+
+
 def test_stuck_step_trips_the_watchdog(model_dir, tmp_path):
     # A stopped rank stands for a stuck one; once rank 0's watchdog has fired it is let go, so
     # that the SIGTERM the launcher sends it can act (a stopped process cannot die of it).
@@ -176,7 +183,7 @@ def _drain(model_dir, tmp_path, target):
         data = [e for kind, e in events if kind == "data"]
         assert data[-1]["details"]["generated_tokens"] == len(data), data[-1]
         server.proc.wait(60)
-        assert not session_pids(server.proc.pid)
+        assert not wait_session_gone(server.proc.pid), "orphaned processes"
         return server.proc.returncode
     finally:
         server.stop()

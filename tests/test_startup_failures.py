@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.checkpoints import write_checkpoint
-from tests.server_process import REPO, free_port, session_pids
+from tests.server_process import REPO, free_port, wait_session_gone
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +31,7 @@ def _start_and_wait(args, timeout=60):
             os.killpg(proc.pid, 9)
             proc.wait()
     elapsed = time.monotonic() - start
-    deadline = time.monotonic() + 10
-    while session_pids(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not session_pids(proc.pid), "orphaned processes"
+    assert not wait_session_gone(proc.pid), "orphaned processes"
     errors = [line for line in stderr.splitlines() if line.startswith("hsdp-serve: ")]
     return proc.returncode, errors, elapsed, stderr
 
