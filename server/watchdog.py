@@ -26,7 +26,8 @@ class StepWatchdog(threading.Thread):
         self.timeout_s = timeout_s
         self.on_timeout = on_timeout
         self._started_at: float | None = None
-        self._stop = threading.Event()
+        # Not ``_stop``: threading.Thread has a method of that name, called by join() and is_alive().
+        self._halted = threading.Event()
 
     def step_started(self) -> None:
         self._started_at = time.monotonic()
@@ -35,11 +36,11 @@ class StepWatchdog(threading.Thread):
         self._started_at = None
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halted.set()
 
     def run(self) -> None:
         interval = min(1.0, self.timeout_s / 4)
-        while not self._stop.wait(interval):
+        while not self._halted.wait(interval):
             started = self._started_at
             if started is not None and time.monotonic() - started > self.timeout_s:
                 self._fire()

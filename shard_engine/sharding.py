@@ -122,21 +122,43 @@ def _place_ignored(params: set[nn.Parameter], device: torch.device) -> None:
             p.data = p.data.to(device)
 
 
-def _fully_shard(module: nn.Module, context: HSDPShardContext, ignored: set[nn.Parameter]) -> None:
+def _fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None,
+    reshard_after_forward: bool,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    ignored: set[nn.Parameter],
+    device: torch.device | None,
+) -> None:
     fully_shard(
+        module,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        ignored_params=ignored or None,
+    )
+    if device is not None:
+        _place_ignored(ignored, device)
+
+
+def _shard_in_context(module: nn.Module, context: HSDPShardContext, ignored: set[nn.Parameter]) -> None:
+    _fully_shard(
         module,
         mesh=context.mesh,
         reshard_after_forward=context.reshard_after_forward,
         mp_policy=context.mp_policy,
         offload_policy=context.offload_policy,
-        ignored_params=ignored or None,
+        ignored=ignored,
+        device=context.target_device,
     )
-    _place_ignored(ignored, context.target_device)
 
 
 def shard_hsdp_module(module: nn.Module, context: HSDPShardContext) -> None:
     """Shard one completed child module with a prepared HSDP context."""
-    _fully_shard(module, context, context.ignored_params_in(module))
+    _shard_in_context(module, context, context.ignored_params_in(module))
 
 
 def finalize_hsdp_root(model: nn.Module, context: HSDPShardContext) -> None:
@@ -144,7 +166,7 @@ def finalize_hsdp_root(model: nn.Module, context: HSDPShardContext) -> None:
 
     The model is then ready for inference: eval mode, no parameter requires grad.
     """
-    _fully_shard(model, context, context.ignored_params)
+    _shard_in_context(model, context, context.ignored_params)
     model.requires_grad_(False)
     model.eval()
 
@@ -165,20 +187,17 @@ def shard_model(
     subset it owns, the root wrap the full set. They keep their dtype and stay replicated.
     """
     ignored = set(ignored_params or ())
-    offload = context.offload_policy if context is not None else OffloadPolicy()
-    device = context.target_device if context is not None else None
 
     def wrap(module: nn.Module, owned: set[nn.Parameter]) -> None:
-        fully_shard(
+        _fully_shard(
             module,
             mesh=mesh,
             reshard_after_forward=reshard_after_forward,
             mp_policy=mp_policy or MixedPrecisionPolicy(),
-            offload_policy=offload,
-            ignored_params=owned or None,
+            offload_policy=context.offload_policy if context is not None else OffloadPolicy(),
+            ignored=owned,
+            device=context.target_device if context is not None else None,
         )
-        if device is not None:
-            _place_ignored(owned, device)
 
     for _, module in select_units(model, hsdp_shard_conditions):
         ids = {id(p) for p in module.parameters()}
