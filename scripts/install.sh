@@ -1,17 +1,33 @@
 #!/usr/bin/env bash
-# Install hsdp-serve and its test dependencies into the current Python environment.
+# Install hsdp-serve into the current Python environment.
+#
+#   scripts/install.sh            # the README's install: editable, with the test extras
+#   scripts/install.sh .          # what docker/Dockerfile runs: the package alone
+#
 # PyTorch goes in first: a plain `torch` requirement on a machine without it would pull a
 # multi-GB CUDA build. Machines with an NVIDIA driver get the default (CUDA) build; CPU
-# machines get the CPU build pinned below. An already-installed torch in range is kept.
+# machines get the CPU build pinned below. An already-installed torch in range (the one in the
+# PyTorch container image, say) is kept. The range is pyproject.toml's torch requirement.
 set -euo pipefail
 PYTHON="${PYTHON:-python3}"
 cd "$(dirname "$0")/.."
 
-if ! "$PYTHON" -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(not ((2, 8) <= v < (2, 15)))' 2>/dev/null; then
+TORCH_MIN=2.8
+TORCH_BELOW=2.15
+TORCH_CPU_PIN=2.13.0
+
+if ! "$PYTHON" -c "
+import sys, torch
+v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2])
+sys.exit(not (tuple(map(int, '$TORCH_MIN'.split('.'))) <= v < tuple(map(int, '$TORCH_BELOW'.split('.')))))
+" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        "$PYTHON" -m pip install "torch>=2.8,<2.15"
+        "$PYTHON" -m pip install "torch>=$TORCH_MIN,<$TORCH_BELOW"
     else
-        "$PYTHON" -m pip install "torch==2.13.0"
+        "$PYTHON" -m pip install "torch==$TORCH_CPU_PIN"
     fi
 fi
-"$PYTHON" -m pip install -e ".[test]"
+if [ "$#" -eq 0 ]; then
+    set -- -e ".[test]"
+fi
+"$PYTHON" -m pip install "$@"

@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from server.launch import DEVICE_TYPES, LOG_LEVELS
+from server.launch import DEVICE_TYPES, LOG_LEVELS, parse_nproc_per_node
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -16,8 +16,9 @@ class ServeConfig:
     model: str | None = None
     """Checkpoint directory; None serves the embedded demo checkpoint (random weights)."""
 
-    nproc_per_node: int = 2
-    """Ranks started on this node (ignored under torchrun, which decides)."""
+    nproc_per_node: int | None = None
+    """Ranks started on this node; None (``auto``): one per visible GPU on cuda, 2 on cpu.
+    Ignored under torchrun, which decides."""
 
     replicate_size: int = 1
     shard_size: int = -1
@@ -60,7 +61,7 @@ class ServeConfig:
     """Largest request body accepted; larger ones get 413."""
 
     def __post_init__(self) -> None:
-        if self.nproc_per_node < 1:
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
         if self.device is not None and self.device not in DEVICE_TYPES:
             raise ValueError(f"--device must be one of {DEVICE_TYPES}, got {self.device!r}")
@@ -96,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a Hugging Face causal LM sharded over a group of ranks with FSDP2 (HSDP).",
     )
     p.add_argument("--model", help="checkpoint directory (default: the embedded random-weight demo)")
-    p.add_argument("--nproc-per-node", type=int, default=2)
+    p.add_argument("--nproc-per-node", type=parse_nproc_per_node, default=None, metavar="N|auto",
+                   help="ranks on this node (default auto: one per visible GPU on cuda, 2 on cpu)")
     p.add_argument("--replicate-size", type=int, default=1)
     p.add_argument("--shard-size", type=int, default=-1, help="-1: world size // replicate size")
     p.add_argument("--device", choices=DEVICE_TYPES, help="default: cuda when available, else cpu")

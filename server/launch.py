@@ -12,6 +12,7 @@ whose text is one line; the traceback is logged at ``--log-level debug``.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import logging
@@ -59,6 +60,42 @@ def resolve_world_size(nproc_per_node: int) -> int:
     if is_under_torchrun():
         return int(os.environ["WORLD_SIZE"])
     return nproc_per_node
+
+
+CPU_DEFAULT_NPROC_PER_NODE = 2
+"""Ranks per node that ``--nproc-per-node auto`` starts on CPU (gloo)."""
+
+
+def parse_nproc_per_node(text: str) -> int | None:
+    """argparse type for ``--nproc-per-node``: a positive integer, or ``auto`` (None)."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def resolve_nproc_per_node(nproc_per_node: int | None, device_type: str) -> int:
+    """The ranks to start on this node.
+
+    None (``auto``) means torchrun's local world size under torchrun, one rank per visible GPU on
+    cuda, and :data:`CPU_DEFAULT_NPROC_PER_NODE` on cpu. On cuda, asking for more ranks than
+    visible GPUs is a ValueError: ranks would share a device and NCCL would refuse.
+    """
+    if is_under_torchrun():
+        return int(os.environ.get("LOCAL_WORLD_SIZE", nproc_per_node or 1))
+    if device_type == "cuda":
+        visible = torch.cuda.device_count()
+        if nproc_per_node is None:
+            return visible
+        if nproc_per_node > visible:
+            raise ValueError(f"--nproc-per-node {nproc_per_node} > {visible} visible GPU(s)")
+        return nproc_per_node
+    return CPU_DEFAULT_NPROC_PER_NODE if nproc_per_node is None else nproc_per_node
 
 
 def resolve_device_type(device: str | None) -> str:

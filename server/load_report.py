@@ -30,15 +30,15 @@ from server.launch import (
     GroupError,
     configure_logging,
     init_rank,
-    is_under_torchrun,
     launch_group,
+    parse_nproc_per_node,
     resolve_device_type,
+    resolve_nproc_per_node,
     resolve_world_size,
 )
 from shard_engine import HSDPInferenceConfig
 
 PROG = "hsdp-load"
-DEFAULT_NPROC_PER_NODE = 2
 DEFAULT_PROMPT = "Once upon a time"
 
 
@@ -170,9 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", metavar="DIR", help="local checkpoint directory (default: the demo)")
     parser.add_argument(
         "--nproc-per-node",
-        type=int,
-        metavar="N",
-        help=f"ranks on this node (default {DEFAULT_NPROC_PER_NODE}; under torchrun, torchrun's)",
+        type=parse_nproc_per_node,
+        metavar="N|auto",
+        help="ranks on this node (default auto: one per visible GPU on cuda, 2 on cpu; under torchrun, torchrun's)",
     )
     parser.add_argument("--replicate-size", type=int, default=1, metavar="R", help="replicas of the model")
     parser.add_argument(
@@ -194,15 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_config(args: argparse.Namespace) -> tuple[LoadReportConfig, int]:
     """Map the flags onto a config and the ranks per node; ValueError names the flag at fault."""
-    nproc_per_node = args.nproc_per_node
-    if nproc_per_node is None:
-        nproc_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", DEFAULT_NPROC_PER_NODE))
-    if nproc_per_node < 1:
-        raise ValueError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
-    world_size = resolve_world_size(nproc_per_node)
     device = resolve_device_type(args.device)
-    if device == "cuda" and not is_under_torchrun() and nproc_per_node > torch.cuda.device_count():
-        raise ValueError(f"--nproc-per-node {nproc_per_node} > {torch.cuda.device_count()} visible GPU(s)")
+    nproc_per_node = resolve_nproc_per_node(args.nproc_per_node, device)
+    if nproc_per_node < 1:
+        raise ValueError("--nproc-per-node auto: no GPU visible")
+    world_size = resolve_world_size(nproc_per_node)
     hsdp = HSDPInferenceConfig(replicate_size=args.replicate_size, shard_size=args.shard_size)
     try:
         hsdp.resolve_mesh_shape(world_size)

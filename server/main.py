@@ -176,14 +176,17 @@ def _ignore_stop_signals() -> None:
 
 def _check_before_launch(cfg: ServeConfig) -> None:
     """What can fail before any rank starts fails here, in one line."""
-    from server.launch import is_under_torchrun
+    from server.launch import is_under_torchrun, resolve_nproc_per_node
     from shard_engine import HSDPInferenceConfig
 
     if not os.path.isdir(cfg.model):
         raise ValueError(f"--model {cfg.model}: no such directory")
     if not os.access(cfg.model, os.R_OK | os.X_OK):
         raise ValueError(f"--model {cfg.model}: not readable")
+    cfg.nproc_per_node = resolve_nproc_per_node(cfg.nproc_per_node, resolve_device_type(cfg.device))
     if not is_under_torchrun():
+        if cfg.nproc_per_node < 1:
+            raise ValueError("--nproc-per-node auto: no GPU visible")
         HSDPInferenceConfig(replicate_size=cfg.replicate_size, shard_size=cfg.shard_size).resolve_mesh_shape(
             cfg.nproc_per_node
         )

@@ -21,16 +21,21 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model_dir: str, *, nproc: int = 2, extra_args: tuple[str, ...] = (), log_path=None):
-        self.port = free_port()
+    """The server on ``nproc`` CPU ranks, or, with ``argv``, whatever command starts one on ``port``
+    (``env`` is added to the environment)."""
+
+    def __init__(self, model_dir, *, nproc: int = 2, extra_args: tuple[str, ...] = (), log_path=None,
+                 argv: list[str] | None = None, port: int | None = None, env: dict | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+        if argv is None:
+            argv = [sys.executable, "-m", "server", "--model", str(model_dir), "--nproc-per-node", str(nproc),
+                    "--device", "cpu", "--port", str(self.port), *extra_args]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "--model", str(model_dir), "--nproc-per-node", str(nproc),
-             "--device", "cpu", "--port", str(self.port), *extra_args],
-            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: teardown reaches every rank
         )
         self.client = httpx.Client(base_url=self.url, timeout=60)
