@@ -31,6 +31,8 @@ FLAG_VARS=(
     HSDP_STEP_TIMEOUT:--step-timeout
     HSDP_SHUTDOWN_TIMEOUT:--shutdown-timeout
     HSDP_COLLECTIVE_TIMEOUT:--collective-timeout
+    HSDP_PREFETCH_DEPTH:--prefetch-depth
+    HSDP_RESIDENT_UNITS:--resident-units
 )
 # Read here or by the server, not mapped onto flags.
 OTHER_VARS=(

@@ -63,6 +63,7 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
             "max_queued_requests": limits.max_queued_requests if limits else None,
             "version": __version__,
             "phase": state.phase,
+            "residency": state.residency,
         }
         scheduler = state.scheduler
         if scheduler is not None:

@@ -60,6 +60,13 @@ class ServeConfig:
     max_body_bytes: int = 1024 * 1024
     """Largest request body accepted; larger ones get 413."""
 
+    prefetch_depth: int = 2
+    """Units whose all-gathers each unit's forward starts ahead (overlap with compute); 0: none."""
+
+    resident_units: int = 0
+    """Units, in forward order, that keep their gathered parameters after the first gather
+    (memory for speed); -1: all of them."""
+
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
@@ -81,6 +88,10 @@ class ServeConfig:
             raise ValueError("--step-timeout must be positive")
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"--prefetch-depth must be >= 0, got {self.prefetch_depth}")
+        if self.resident_units < -1:
+            raise ValueError(f"--resident-units must be >= 0 or 'all', got {self.resident_units}")
         if self.collective_timeout_s <= 0:
             raise ValueError("--collective-timeout must be positive")
 
@@ -117,7 +128,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("HSDP_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' (default: $HSDP_API_KEY; none: no check)")
     p.add_argument("--max-body-bytes", type=int, default=1024 * 1024)
+    p.add_argument("--prefetch-depth", type=int, default=2, metavar="N",
+                   help="all-gathers each unit starts ahead, overlapping compute (default 2; 0: none)")
+    p.add_argument("--resident-units", type=_resident_units, default=0, metavar="K|all",
+                   help="units (in forward order) that keep their gathered parameters: speed for memory "
+                        "(default 0)")
     return p
+
+
+def _resident_units(text: str) -> int:
+    if text == "all":
+        return -1
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or 'all', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def parse_serve_config(argv: list[str] | None = None) -> ServeConfig:

@@ -87,7 +87,7 @@ def serve_rank(cfg: ServeConfig) -> None:
     from server.scheduler import Scheduler
     from server.state import ServerState
     from server.watchdog import StepWatchdog
-    from shard_engine import HSDPInferenceConfig
+    from shard_engine import HSDPInferenceConfig, enable_forward_prefetch, set_resident_units
 
     hsdp = HSDPInferenceConfig(replicate_size=cfg.replicate_size, shard_size=cfg.shard_size)
     device = init_rank(resolve_device_type(cfg.device), cfg.collective_timeout_s)
@@ -104,8 +104,12 @@ def serve_rank(cfg: ServeConfig) -> None:
             cfg.model, hsdp, device=device, dtype=cfg.torch_dtype, read_mode=cfg.read_mode,
             progress=state.set_load_progress if state else None,
         )
-        bytes_per_rank = [None] * world_size
-        dist.all_gather_object(bytes_per_rank, loaded.stats.bytes_read)  # every rank, once
+        if cfg.prefetch_depth:
+            enable_forward_prefetch(loaded.model, depth=cfg.prefetch_depth)
+        residency = set_resident_units(loaded.model, cfg.resident_units)  # collective: same on every rank
+        per_rank = [None] * world_size
+        dist.all_gather_object(per_rank, (loaded.stats.bytes_read, residency.extra_bytes))  # every rank, once
+        bytes_per_rank = [read for read, _ in per_rank]
         if loaded.tokenizer is None:
             raise ValueError(f"{cfg.model} has no tokenizer files: hsdp-serve needs one to serve text")
         engine = RankEngine(loaded.model, device, rank)
@@ -120,6 +124,12 @@ def serve_rank(cfg: ServeConfig) -> None:
             )
             state.metrics.load_seconds.set(loaded.stats.phase_seconds["total"])
             state.metrics.loaded_bytes.set(sum(bytes_per_rank))
+            state.residency = dict(residency.as_dict(), extra_bytes_per_rank=[extra for _, extra in per_rank],
+                                   prefetch_depth=cfg.prefetch_depth)
+            state.metrics.resident_units.set(len(residency.units))
+            state.metrics.sharded_units.set(residency.total_units)
+            for r, (_, extra) in enumerate(per_rank):
+                state.metrics.resident_bytes.labels(rank=str(r)).set(extra)
             state.metrics.running.set_function(lambda: scheduler.num_running)
             state.metrics.waiting.set_function(lambda: scheduler.num_waiting)
             state.dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")

@@ -34,6 +34,11 @@ class ServerMetrics:
         self.load_seconds = Gauge("hsdp_load_seconds", "Seconds rank 0 took to load and shard the model",
                                   registry=r)
         self.loaded_bytes = Gauge("hsdp_loaded_bytes", "Checkpoint bytes read by all ranks together", registry=r)
+        self.sharded_units = Gauge("hsdp_sharded_units", "FSDP units the model is sharded into", registry=r)
+        self.resident_units = Gauge("hsdp_resident_units",
+                                    "Units that keep their gathered parameters (--resident-units)", registry=r)
+        self.resident_bytes = Gauge("hsdp_resident_bytes",
+                                    "Memory a rank holds for resident units beyond its shards", ["rank"], registry=r)
         self.failures = Counter("hsdp_failures", "Failed requests by reason", ["reason"], registry=r)
 
     def endpoint_label(self, path: str) -> str:

@@ -31,6 +31,7 @@ class ServerState:
     tokenizer: object | None = None
     metrics: object | None = None
     api_key: str | None = None
+    residency: dict | None = None  # what --resident-units and --prefetch-depth did, per rank
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def set_phase(self, phase: str, failure: str | None = None) -> None:

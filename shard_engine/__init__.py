@@ -4,6 +4,13 @@ Names and semantics follow vLLM-Omni's HSDP inference helpers.
 """
 
 from shard_engine.config import MESH_AXES, HSDPInferenceConfig, build_hsdp_mesh
+from shard_engine.overlap import (
+    Residency,
+    disable_forward_prefetch,
+    enable_forward_prefetch,
+    fsdp_units,
+    set_resident_units,
+)
 from shard_engine.sharding import (
     HSDPShardContext,
     apply_hsdp_to_model,
@@ -25,16 +32,21 @@ __all__ = [
     "MESH_AXES",
     "HSDPInferenceConfig",
     "HSDPShardContext",
+    "Residency",
     "apply_hsdp_to_model",
     "build_hsdp_mesh",
     "default_device",
     "default_shard_conditions",
     "detect_decoder_layer_names",
+    "disable_forward_prefetch",
+    "enable_forward_prefetch",
     "finalize_hsdp_root",
     "find_ignored_param_names",
+    "fsdp_units",
     "hsdp_root_unsharded",
     "prepare_hsdp_shard_context",
     "select_units",
+    "set_resident_units",
     "shard_hsdp_module",
     "shard_model",
 ]

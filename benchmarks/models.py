@@ -1,0 +1,49 @@
+"""The serving benchmarks' checkpoint: a random-weight bf16 Llama of about 80M parameters with the
+demo's locally trained tokenizer, generated once and cached (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import torch
+
+DEFAULT_DIR = os.path.join(os.environ.get("HSDP_CACHE_DIR") or os.path.expanduser("~/.cache/hsdp-serve"),
+                           "bench-llama-80m")
+
+
+def bench_checkpoint(out_dir: str = DEFAULT_DIR) -> str:
+    """11 decoder layers of hidden size 768 (78.5M parameters, 157 MB in bf16), in 40 MB files so
+    that layers straddle them; vocabulary of the demo's byte-level BPE tokenizer."""
+    marker = os.path.join(out_dir, ".complete")
+    if os.path.isfile(marker):
+        return out_dir
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from server.demo import train_byte_bpe_tokenizer
+
+    print(f"[bench] generating {out_dir}", file=sys.stderr, flush=True)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tok = train_byte_bpe_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=768, intermediate_size=2048, num_hidden_layers=11,
+        num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
+        tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(out_dir, max_shard_size="40MB")
+    tok.save_pretrained(out_dir)
+    open(marker, "w").close()
+    return out_dir
+
+
+def parameter_count(model_dir: str) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters())

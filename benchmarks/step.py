@@ -1,0 +1,196 @@
+"""The sharded decode step against its floor, on CPU ranks (gloo).
+
+    python -m benchmarks.step [--model DIR] [--nproc 2] [--batches 1,16] [--context 48] [--steps 24]
+                              [--modes sharded,prefetch,resident] [--profile DIR]
+
+Each rank loads the checkpoint sharded (load_hsdp_model), owns ``batch`` sequences of ``context``
+prompt tokens, prefills them, and times ``steps`` decode steps of the real engine
+(server.engine.RankEngine: one packed forward per step plus token selection), median per step:
+
+  sharded    every unit gathers its parameters in its own pre-forward (FSDP2's default)
+  prefetch1  each unit's pre-forward starts the next unit's all-gather (asynchronous on gloo)
+  prefetch   ... the next two units' (the server's default, depth 2)
+  resident   every unit keeps its gathered parameters (set_resident_units(model, -1))
+
+The floor of a sharded step is the larger of
+  all-gather  one raw all_gather_into_tensor of the bytes a forward gathers, on the same ranks
+  unsharded   the same decode step on the unsharded model (from_pretrained on every rank, the
+              same per-rank batch, both ranks computing at once as they do when sharded)
+and each mode is reported as its ratio to the floor. Prints one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from benchmarks.models import bench_checkpoint, parameter_count
+from tests.dist import run_ranks, values
+
+MODES = ("sharded", "prefetch1", "prefetch", "resident")
+TARGET = 1.2
+
+
+def log(msg: str) -> None:
+    print(f"[step] {msg}", file=sys.stderr, flush=True)
+
+
+def time_decode(model, rank: int, batch: int, context: int, steps: int, vocab: int, profile_path=None) -> dict:
+    """Median seconds per decode step of ``batch`` sequences on this rank (the engine's step)."""
+    from server.engine import NewSequence, RankEngine, StepPlan
+    from server.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(1234 + rank)
+    engine = RankEngine(model, torch.device("cpu"), rank)
+    adds = [
+        NewSequence(seq_id=i, rank=rank, params=SamplingParams(max_new_tokens=steps + 8),
+                    prompt_ids=torch.randint(3, vocab, (context,), generator=gen).tolist())
+        for i in range(batch)
+    ]
+    engine.step(StepPlan(add=adds, forward=True))  # prefill
+    for _ in range(2):  # warm-up decode steps
+        engine.step(StepPlan(forward=True))
+    profiler = None
+    if profile_path:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        result = engine.step(StepPlan(forward=True))
+        times.append(time.perf_counter() - t0)
+        assert len(result.tokens) == batch
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(profile_path)
+    return {"median_s": statistics.median(times), "min_s": min(times), "steps": steps}
+
+
+def time_all_gather(nbytes: int, repeats: int) -> dict:
+    """One raw all_gather_into_tensor whose output is ``nbytes`` (bf16), median of ``repeats``."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    numel = nbytes // 2 // world * world
+    out = torch.empty(numel, dtype=torch.bfloat16)
+    inp = torch.ones(numel // world, dtype=torch.bfloat16)
+    dist.all_gather_into_tensor(out, inp)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_gather_into_tensor(out, inp)
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "bytes": numel * 2, "gb_per_s": numel * 2 / statistics.median(times) / 1e9}
+
+
+def gathered_bytes(model) -> int:
+    """Bytes of every sharded parameter once gathered: what one forward all-gathers."""
+    from torch.distributed.tensor import DTensor
+
+    return sum(p.numel() * p.element_size() for p in model.parameters() if isinstance(p, DTensor))
+
+
+def rank_body(rank: int, world: int, model_dir: str, batches: list[int], context: int, steps: int,
+              modes: list[str], profile_dir: str | None) -> dict:
+    import torch.distributed as dist
+
+    from loaders import load_hsdp_model
+    from shard_engine import HSDPInferenceConfig, disable_forward_prefetch, enable_forward_prefetch
+    from shard_engine import set_resident_units
+
+    loaded = load_hsdp_model(model_dir, HSDPInferenceConfig(), device=torch.device("cpu"))
+    model, vocab = loaded.model, loaded.config.vocab_size
+    nbytes = gathered_bytes(model)
+    out: dict = {"threads": torch.get_num_threads(), "gathered_bytes": nbytes, "modes": {}}
+    for mode in modes:
+        disable_forward_prefetch(model)
+        residency = set_resident_units(model, -1 if mode == "resident" else 0)
+        if mode.startswith("prefetch"):
+            enable_forward_prefetch(model, depth=int(mode.removeprefix("prefetch") or 2))
+        out["modes"][mode] = {
+            b: time_decode(model, rank, b, context, steps, vocab,
+                           profile_dir and os.path.join(profile_dir, f"{mode}-b{b}-rank{rank}.prof"))
+            for b in batches
+        }
+        out["modes"][mode]["resident_extra_bytes"] = residency.extra_bytes
+    disable_forward_prefetch(model)
+    set_resident_units(model, 0)
+    out["all_gather"] = time_all_gather(nbytes, repeats=max(steps, 8))
+    del model, loaded
+    dist.barrier()
+    from transformers import AutoModelForCausalLM
+
+    full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    dist.barrier()
+    out["unsharded"] = {b: time_decode(full, rank, b, context, steps, vocab) for b in batches}
+    return out
+
+
+def summarize(per_rank: list[dict], batches: list[int], modes: list[str]) -> dict:
+    """Per batch: each mode's step (the slowest rank's median: the step waits for it), the floor,
+    and the ratios."""
+    def slowest(get) -> float:
+        return max(get(r) for r in per_rank)
+
+    gather_s = slowest(lambda r: r["all_gather"]["median_s"])
+    table = {}
+    for b in batches:
+        unsharded_s = slowest(lambda r: r["unsharded"][b]["median_s"])
+        floor_s = max(gather_s, unsharded_s)
+        row = {"floor_s": round(floor_s, 4), "all_gather_s": round(gather_s, 4), "unsharded_s": round(unsharded_s, 4)}
+        for mode in modes:
+            step_s = slowest(lambda r: r["modes"][mode][b]["median_s"])
+            row[f"{mode}_s"] = round(step_s, 4)
+            row[f"{mode}_ratio"] = round(step_s / floor_s, 3)
+        row["target_met"] = {mode: row[f"{mode}_ratio"] <= TARGET for mode in modes}
+        table[b] = row
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.step", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="checkpoint directory (default: the 80M bench Llama, generated once)")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--batches", default="1,16", help="per-rank batch sizes (default 1,16)")
+    parser.add_argument("--context", type=int, default=48, help="prompt tokens per sequence (default 48)")
+    parser.add_argument("--steps", type=int, default=24, help="timed decode steps (default 24)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--profile", metavar="DIR", help="write a cProfile of each timed run per rank")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"unknown modes {sorted(unknown)}")
+    model_dir = args.model or bench_checkpoint()
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    log(f"{model_dir}: {parameter_count(model_dir) / 1e6:.1f}M parameters, {args.nproc} ranks, batches {batches}")
+    with tempfile.TemporaryDirectory() as tmp:
+        per_rank = values(run_ranks(rank_body, args.nproc, pathlib.Path(tmp), model_dir, batches, args.context,
+                                    args.steps, modes, args.profile, timeout=1800, pg_timeout_s=600))
+    report = {
+        "model": model_dir, "parameters": parameter_count(model_dir), "nproc": args.nproc,
+        "threads_per_rank": per_rank[0]["threads"], "context": args.context, "steps": args.steps,
+        "gathered_bytes_per_forward": per_rank[0]["gathered_bytes"],
+        "all_gather_gb_per_s": round(min(r["all_gather"]["gb_per_s"] for r in per_rank), 3),
+        "resident_extra_bytes_per_rank": per_rank[0]["modes"].get("resident", {}).get("resident_extra_bytes"),
+        "target_ratio": TARGET,
+        "per_rank_batch": summarize(per_rank, batches, modes),
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

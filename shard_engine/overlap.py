@@ -1,0 +1,118 @@
+"""Speed knobs for a sharded model: forward prefetch (all-gathers overlapped with compute) and
+residency (units that keep their gathered parameters).
+
+Both act on the FSDP2 units of a model that :func:`~shard_engine.finalize_hsdp_root` (or
+:func:`~shard_engine.apply_hsdp_to_model`) has sharded. Both are collective in effect: every
+rank of the mesh must apply the same settings, or the all-gathers of the next forward no longer
+match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+
+def fsdp_units(model: nn.Module) -> list[FSDPModule]:
+    """The FSDP2 units of ``model`` in forward order: the root first, then its units in module
+    order (for Hugging Face decoders: embeddings, decoder layers in order, then any others)."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def enable_forward_prefetch(model: nn.Module, *, depth: int = 2, async_collectives: bool | None = None) -> int:
+    """Have each unit's pre-forward start the all-gathers of the next ``depth`` units, so that they
+    run while this unit computes. Returns the number of prefetch links set.
+
+    Depth 1 leaves the collective idle while each unit copies its gathered parameters out and the
+    next one's in; depth 2 keeps one all-gather queued behind the running one, at the cost of one
+    more unit's gathered parameters held at a time.
+
+    On an accelerator the all-gathers already run on their own stream. On the CPU (gloo) nothing
+    runs beside the compute thread unless the all-gather is issued asynchronously, so
+    ``async_collectives`` defaults to True there: gloo then moves the bytes on its own threads
+    while this one computes.
+    """
+    units = fsdp_units(model)
+    if async_collectives is None:
+        async_collectives = _param_device(model).type == "cpu"
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    links = 0
+    for i, unit in enumerate(units):
+        following = units[i + 1:i + 1 + depth]
+        unit.set_modules_to_forward_prefetch(following)
+        links += len(following)
+    for unit in units:
+        unit._set_unshard_async_op(async_collectives)
+    return links
+
+
+def disable_forward_prefetch(model: nn.Module) -> None:
+    """Undo :func:`enable_forward_prefetch`: each unit gathers its parameters in its own pre-forward."""
+    for unit in fsdp_units(model):
+        unit.set_modules_to_forward_prefetch([])
+        unit._set_unshard_async_op(False)
+
+
+@dataclass
+class Residency:
+    """What :func:`set_resident_units` made resident, and what it costs."""
+
+    units: list[str] = field(default_factory=list)
+    """Qualified names of the resident units ('' is the root)."""
+
+    total_units: int = 0
+    extra_bytes: int = 0
+    """Memory this rank holds beyond its shards: the gathered parameters of the resident units."""
+
+    def as_dict(self) -> dict:
+        return {"units": len(self.units), "of": self.total_units, "names": self.units,
+                "extra_bytes_per_rank": self.extra_bytes}
+
+
+def set_resident_units(model: nn.Module, count: int) -> Residency:
+    """Keep the gathered parameters of the first ``count`` units in forward order (-1: all of them).
+
+    Resident units are gathered once, now (a collective), and never resharded: later forwards
+    skip their all-gathers. The others gather and free their parameters in every forward. May be
+    called again with another count; units that stop being resident are resharded.
+    """
+    units = fsdp_units(model)
+    count = len(units) if count < 0 else min(count, len(units))
+    names = {id(m): name for name, m in model.named_modules()}
+    residency = Residency(total_units=len(units))
+    for i, unit in enumerate(units):
+        resident = i < count
+        unit.set_reshard_after_forward(not resident)
+        if resident:
+            residency.units.append(names[id(unit)])
+            residency.extra_bytes += _gathered_extra_bytes(unit)
+    for i, unit in enumerate(units):  # gather now, in the same order on every rank
+        if i < count:
+            unit.unshard()
+        else:
+            unit.reshard()
+    return residency
+
+
+def _gathered_extra_bytes(unit: FSDPModule) -> int:
+    """Bytes the unit's own sharded parameters take once gathered, beyond the local shards."""
+    group = unit._get_fsdp_state()._fsdp_param_group
+    if group is None:  # a unit whose parameters are all ignored
+        return 0
+    total = 0
+    for fsdp_param in group.fsdp_params:
+        # the gathered dtype: mixed precision's param_dtype, else the parameter's own (the
+        # attributes FSDP2 sets at its lazy init may not exist yet)
+        dtype = group.mp_policy.param_dtype or fsdp_param.sharded_param.dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        total += (fsdp_param._orig_size.numel() - fsdp_param.sharded_size.numel()) * itemsize
+    return total
+
+
+def _param_device(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")

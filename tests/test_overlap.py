@@ -1,0 +1,109 @@
+"""Forward prefetch and resident units: same outputs, and the all-gathers they save are really saved."""
+
+import pytest
+import torch
+
+from tests.checkpoints import write_checkpoint
+from tests.dist import run_ranks, values
+
+
+def _forwards(rank, world_size, path, settings):
+    """Logits and all-gather counts of two forwards under each (prefetch depth, resident count)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from loaders import load_hsdp_model
+    from shard_engine import (HSDPInferenceConfig, disable_forward_prefetch, enable_forward_prefetch, fsdp_units,
+                              set_resident_units)
+
+    model = load_hsdp_model(path, HSDPInferenceConfig()).model
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 9, 2, 7, 1, 3]]) + rank  # each rank its own input
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+
+    gathers = {"n": 0}
+    original = dist.all_gather_single
+
+    def counting(*args, **kwargs):
+        gathers["n"] += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather_single = counting
+    out = {"units": len(fsdp_units(model)), "runs": []}
+    for depth, resident in settings:
+        disable_forward_prefetch(model)
+        if depth:
+            enable_forward_prefetch(model, depth=depth)
+        residency = set_resident_units(model, resident)
+        counts, exact = [], []
+        for _ in range(2):
+            gathers["n"] = 0
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits
+            counts.append(gathers["n"])
+            exact.append(torch.allclose(logits, expected, rtol=1e-5, atol=1e-5))
+        out["runs"].append({"counts": counts, "exact": exact, "resident": residency.as_dict()})
+    dist.all_gather_single = original
+    out["sharded_extra_bytes"] = sum(p.numel() * p.element_size() for p in reference.parameters()) - sum(
+        p.to_local().numel() * p.element_size() for p in model.parameters() if hasattr(p, "to_local"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("overlap") / "llama", "llama")
+
+
+def test_prefetch_and_residency_keep_outputs_and_save_gathers(tmp_path, llama):
+    settings = [(0, 0), (1, 0), (2, 0), (0, -1), (2, 2), (0, 0)]
+    results = values(run_ranks(_forwards, 2, tmp_path, llama, settings, timeout=300))
+    for r in results:
+        units = r["units"]
+        plain, depth1, depth2, everything, two, back = r["runs"]
+        for run in r["runs"]:
+            assert run["exact"] == [True, True]
+        # every unit gathers once per forward, prefetched or not (here the root's own parameters
+        # are the final norm and lm_head, so it is a unit that gathers too)
+        assert plain["counts"] == depth1["counts"] == depth2["counts"] == [units, units]
+        # all resident: gathered once by set_resident_units, never again
+        assert everything["counts"] == [0, 0]
+        assert everything["resident"]["units"] == units == everything["resident"]["of"]
+        assert everything["resident"]["extra_bytes_per_rank"] == r["sharded_extra_bytes"]
+        # two resident (the root and the embeddings): the other units still gather every forward
+        assert two["counts"] == [units - 2, units - 2] and two["resident"]["names"] == ["", "model.embed_tokens"]
+        assert 0 < two["resident"]["extra_bytes_per_rank"] < everything["resident"]["extra_bytes_per_rank"]
+        # and back to nothing resident: the units are resharded and gather again
+        assert back["counts"] == [units, units] and back["resident"]["extra_bytes_per_rank"] == 0
+
+
+def test_prefetch_depth_must_be_positive():
+    from torch import nn
+
+    from shard_engine import enable_forward_prefetch
+
+    with pytest.raises(ValueError, match="depth"):
+        enable_forward_prefetch(nn.Linear(2, 2), depth=0)
+
+
+def test_server_reports_residency_and_serves_the_same_tokens(tmp_path, llama):
+    from tests.checkpoints import PROMPTS, reference_generate
+    from tests.server_process import ServerProcess
+
+    server = ServerProcess(llama, extra_args=("--resident-units", "all", "--prefetch-depth", "1"),
+                           log_path=tmp_path / "log")
+    try:
+        server.poll_ready()
+        residency = server.client.get("/info").json()["residency"]
+        assert residency["units"] == residency["of"] > 0 and residency["prefetch_depth"] == 1
+        extra = residency["extra_bytes_per_rank"]
+        assert len(extra) == 2 and all(e > 0 for e in extra)
+        metrics = server.client.get("/metrics").text
+        assert f"hsdp_resident_units {float(residency['units'])}" in metrics
+        assert f'hsdp_resident_bytes{{rank="1"}} {float(extra[1])}' in metrics
+        r = server.client.post("/generate", json={"inputs": PROMPTS[2], "parameters": {"max_new_tokens": 12,
+                                                                                       "details": True}})
+        assert r.status_code == 200, r.text
+        assert [t["id"] for t in r.json()["details"]["tokens"]] == reference_generate(llama, PROMPTS[2:3], 12)[0]
+    finally:
+        assert server.stop() == 0, server.log_tail()
