@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 
 import torch.distributed as dist
 
@@ -41,15 +42,23 @@ def run_engine_loop(engine: RankEngine, channel: ControlChannel, scheduler=None,
     number of steps and enter the same forwards. An exception on any rank ends its loop; the
     others' next collective then fails (the peer is gone) or their watchdog fires.
     """
+    clock = time.perf_counter
     while True:
-        plan = channel.broadcast_plan(scheduler.next_plan() if scheduler is not None else None)
+        planned = scheduler.next_plan() if scheduler is not None else None
+        t0 = clock()
+        plan = channel.broadcast_plan(planned)
         if plan.shutdown:
             return
         if watchdog is not None:
             watchdog.step_started()
+        t1 = clock()
         result = engine.step(plan)
+        t2 = clock()
         results = channel.gather_results(result)
+        t3 = clock()
         if watchdog is not None:
             watchdog.step_finished()
         if scheduler is not None:
             scheduler.on_results(results)
+            if plan.forward:
+                scheduler.observe_step(step_s=t2 - t1, control_s=(t1 - t0) + (t3 - t2))

@@ -26,10 +26,13 @@ Once upon a time there was a server that never hung and never lost a request sil
 DEMO_VERSION = 1
 
 
-def train_byte_bpe_tokenizer(vocab_size: int = 384, corpus: str = _CORPUS):
+def train_byte_bpe_tokenizer(vocab_size: int = 384, corpus: str = _CORPUS, *, all_bytes: bool = True):
     """A byte-level BPE tokenizer trained on ``corpus``, as a transformers fast tokenizer.
 
-    Its special tokens: ``<|endoftext|>`` (bos/eos/pad) and ``<unk>``.
+    Its special tokens: ``<|endoftext|>`` (bos/eos/pad) and ``<unk>``. With ``all_bytes`` False
+    the vocabulary holds only the bytes ``corpus`` uses (ASCII for the default corpus), so that
+    every token decodes to whole characters: a random-weight model then streams text on every
+    token instead of partial UTF-8 sequences held back until they complete.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -40,7 +43,7 @@ def train_byte_bpe_tokenizer(vocab_size: int = 384, corpus: str = _CORPUS):
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=["<|endoftext|>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if all_bytes else [],
         show_progress=False,
     )
     tok.train_from_iterator([line for line in corpus.splitlines() if line] * 4, trainer=trainer)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from server.attention import PackedLayout, use_packed_attention
 from server.sampling import SamplingParams, TokenSelector
 
 
@@ -78,6 +79,7 @@ class RankEngine:
         self.mask_dtype = param.dtype if param.is_floating_point() else torch.float32
         self.forwards = 0
         self.fault_at = _injected_fault(rank)
+        self.packed_attention = use_packed_attention(model)
 
     def step(self, plan: StepPlan) -> StepResult:
         self._remove(plan.remove)
@@ -137,6 +139,13 @@ class RankEngine:
         allowed_TK = (q_seq_T[:, None] == k_seq_K[None, :]) & (k_pos_K[None, :] <= q_pos_T[:, None])
         mask_11TK = torch.zeros(allowed_TK.shape, dtype=self.mask_dtype, device=self.device)
         mask_11TK.masked_fill_(~allowed_TK, torch.finfo(self.mask_dtype).min)
+        extra = {}
+        if self.packed_attention:
+            # the same structure by sequence index (0..S-1) rather than sequence id
+            ids_sorted, order = torch.sort(torch.tensor([s.seq_id for s in seqs], device=self.device))
+            q_index_T = order[torch.searchsorted(ids_sorted, q_seq_T)]
+            k_index_K = order[torch.searchsorted(ids_sorted, k_seq_K)]
+            extra["hsdp_packed"] = PackedLayout(q_index_T, q_pos_T, k_index_K, k_pos_K)
         out = self.model(
             input_ids=ids_1T,
             position_ids=q_pos_T.unsqueeze(0),
@@ -144,6 +153,7 @@ class RankEngine:
             cache=self.cache,
             use_cache=True,
             logits_to_keep=torch.tensor(last, device=self.device),
+            **extra,
         )
         self.cache = out.cache
         self.col_seq_C, self.col_pos_C = k_seq_K, k_pos_K

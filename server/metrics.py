@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 10.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # The paths requests are counted under; anything else is "other", so labels stay few.
 KNOWN_ENDPOINTS = frozenset({
@@ -27,6 +28,12 @@ class ServerMetrics:
                                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("hsdp_queue_time_seconds", "From a request's arrival to its admission",
                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_duration = Histogram("hsdp_step_duration_seconds",
+                                       "Rank 0's engine step (forward and token choice) per step with a forward",
+                                       buckets=_STEP_BUCKETS, registry=r)
+        self.control_duration = Histogram("hsdp_control_duration_seconds",
+                                          "Rank 0's time in the control channel per step: plan out, tokens back, "
+                                          "waiting for the slowest rank", buckets=_STEP_BUCKETS, registry=r)
         self.running = Gauge("hsdp_running_sequences", "Sequences decoding over the whole group", registry=r)
         self.waiting = Gauge("hsdp_waiting_sequences", "Requests waiting for admission", registry=r)
         self.prompt_tokens = Counter("hsdp_prompt_tokens", "Prompt tokens of admitted requests", registry=r)

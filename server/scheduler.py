@@ -241,6 +241,13 @@ class Scheduler:
             token_id, self.tokenizer.decode([token_id]), result.logprob, token_id in self.special_ids, text, top, finish
         ))
 
+    def observe_step(self, *, step_s: float, control_s: float) -> None:
+        """Rank 0's timing of one step with a forward: its own engine step, and the time spent in
+        the control channel (the plan out, every rank's tokens back, waiting for the slowest)."""
+        if self.metrics is not None:
+            self.metrics.step_duration.observe(step_s)
+            self.metrics.control_duration.observe(control_s)
+
     def fail_all(self, message: str) -> None:
         """Answer every request still open with an error (the group is going down)."""
         for handle in list(self._running.values()) + list(self._waiting):

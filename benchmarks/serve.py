@@ -1,0 +1,356 @@
+"""Serving benchmark: hsdp-serve against `transformers serve --continuous-batching`, in one run.
+
+    python -m benchmarks.serve [--model DIR] [--servers transformers,hsdp,hsdp-resident]
+                               [--concurrency 1,16,64] [--rate R,...] [--duration 20]
+                               [--requests-per-client 3] [--max-new-tokens 32]
+                               [--endpoint openai|tgi] [--out FILE]
+
+Every server is started by this script on the same generated checkpoint (the 80M-parameter
+bench Llama, bf16) in the same dtype, one after the other, on this machine:
+
+  transformers   transformers serve --continuous-batching --device cpu --dtype bfloat16 (one
+                 process; torch uses every core)
+  hsdp           hsdp-serve on 2 CPU ranks, nothing resident (weights gathered every step)
+  hsdp-resident  hsdp-serve on 2 CPU ranks, --resident-units all
+
+Load, streamed requests (so that the first token is seen when it comes):
+  closed loop    C clients, each sending its next request when the last one ends, until each
+                 has sent --requests-per-client (at least 8 requests in all)
+  Poisson        requests arriving at rate R per second for --duration seconds
+
+Per scenario: request throughput, output tokens/s, time to first token (TTFT), time per output
+token after the first (TPOT), end-to-end latency (p50 and p99) and failures. Then the ratios of
+each hsdp-serve variant to transformers. The peer's endpoint is OpenAI's /v1/completions; with
+--endpoint tgi hsdp-serve is driven through /generate_stream instead (the peer has no TGI API).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from benchmarks.models import bench_checkpoint, parameter_count
+from tests.server_process import REPO, free_port
+
+SERVERS = ("transformers", "hsdp", "hsdp-resident")
+PROMPT_WORDS = (
+    "the server shards the weights of a causal language model over a group of ranks and every rank "
+    "reads the checkpoint directly keeping only its rows of each tensor while rank zero answers "
+    "requests and every rank runs every forward in lockstep because the all gathers are collectives"
+).split()
+
+
+def log(msg: str) -> None:
+    print(f"[serve-bench] {msg}", file=sys.stderr, flush=True)
+
+
+def make_prompts(n: int, seed: int = 0) -> list[str]:
+    """``n`` prompts of 8 to 32 words, the same for every server."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(PROMPT_WORDS) for _ in range(rng.randint(8, 32))) for _ in range(n)]
+
+
+# -- servers ---------------------------------------------------------------------------------------
+@dataclass
+class Server:
+    name: str
+    argv: list[str]
+    port: int
+    ready_path: str
+    model_field: str
+    log_path: str
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 600) -> float:
+        log(f"starting {self.name}: {' '.join(self.argv)}")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.argv, cwd=REPO, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false"), start_new_session=True,
+        )
+        with httpx.Client(base_url=self.url, timeout=10) as client:
+            while time.monotonic() - t0 < timeout_s:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
+                try:
+                    if client.get(self.ready_path).status_code == 200:
+                        return time.monotonic() - t0
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.25)
+        raise TimeoutError(f"{self.name} not ready after {timeout_s} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+def build_server(name: str, model_dir: str, log_dir: str, max_running: int) -> Server:
+    port = free_port()
+    log_path = os.path.join(log_dir, f"{name}.log")
+    if name == "transformers":
+        argv = ["transformers", "serve", "--continuous-batching", "--device", "cpu", "--dtype", "bfloat16",
+                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", model_dir]
+        return Server(name, argv, port, "/health", model_dir, log_path)
+    argv = [sys.executable, "-m", "server", "--model", model_dir, "--nproc-per-node", "2", "--device", "cpu",
+            "--dtype", "bfloat16", "--port", str(port), "--max-concurrent-requests", str(max_running),
+            "--log-level", "warning"]
+    if name == "hsdp-resident":
+        argv += ["--resident-units", "all"]
+    return Server(name, argv, port, "/ready", model_dir, log_path)
+
+
+# -- one request -----------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    start: float
+    end: float = 0.0
+    first: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+
+async def openai_request(client: httpx.AsyncClient, model: str, prompt: str, max_new_tokens: int) -> Outcome:
+    out = Outcome(time.perf_counter())
+    body = {"model": model, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    chunks = 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                out.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out.error = str(event["error"])[:200]
+                    return out
+                if any(c.get("text") for c in event.get("choices") or ()):
+                    chunks += 1
+                    if out.first is None:
+                        out.first = time.perf_counter()
+                if event.get("usage"):
+                    out.tokens = event["usage"]["completion_tokens"]
+        out.tokens = out.tokens or chunks
+    except httpx.HTTPError as e:
+        out.error = f"{type(e).__name__}: {e}"
+    finally:
+        out.end = time.perf_counter()
+    return out
+
+
+async def tgi_request(client: httpx.AsyncClient, model: str, prompt: str, max_new_tokens: int) -> Outcome:
+    out = Outcome(time.perf_counter())
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}}
+    try:
+        async with client.stream("POST", "/generate_stream", json=body) as r:
+            if r.status_code != 200:
+                out.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    out.error = str(event["error"])[:200]
+                    return out
+                out.tokens += 1
+                if out.first is None:
+                    out.first = time.perf_counter()
+    except httpx.HTTPError as e:
+        out.error = f"{type(e).__name__}: {e}"
+    finally:
+        out.end = time.perf_counter()
+    return out
+
+
+# -- load ------------------------------------------------------------------------------------------
+async def closed_loop(send, prompts: list[str], concurrency: int, per_client: int) -> list[Outcome]:
+    total = max(concurrency * per_client, 8)
+    next_index = iter(range(total))
+    outcomes: list[Outcome] = []
+
+    async def client_loop() -> None:
+        for i in next_index:
+            outcomes.append(await send(prompts[i % len(prompts)]))
+
+    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    return outcomes
+
+
+async def poisson(send, prompts: list[str], rate: float, duration_s: float, seed: int = 0) -> list[Outcome]:
+    rng = random.Random(seed)
+    tasks, t, i = [], 0.0, 0
+    t0 = time.perf_counter()
+    while True:
+        t += rng.expovariate(rate)
+        if t > duration_s:
+            break
+        await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
+        tasks.append(asyncio.create_task(send(prompts[i % len(prompts)])))
+        i += 1
+    return list(await asyncio.gather(*tasks))
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def summarize(outcomes: list[Outcome]) -> dict:
+    ok = [o for o in outcomes if o.error is None and o.tokens > 0]
+    failures = [o.error for o in outcomes if o.error is not None or o.tokens == 0]
+    if not ok:
+        return {"requests": len(outcomes), "failures": len(failures), "errors": failures[:3]}
+    wall = max(o.end for o in outcomes) - min(o.start for o in outcomes)
+    tokens = sum(o.tokens for o in ok)
+    ttft = [o.first - o.start for o in ok if o.first is not None]
+    tpot = [(o.end - o.first) / (o.tokens - 1) for o in ok if o.first is not None and o.tokens > 1]
+    e2e = [o.end - o.start for o in ok]
+
+    def ms(values: list[float], q: float):
+        v = percentile(values, q)
+        return None if v is None else round(v * 1000, 1)
+
+    return {
+        "requests": len(outcomes), "failures": len(failures), "errors": failures[:3],
+        "wall_s": round(wall, 2), "requests_per_s": round(len(ok) / wall, 3),
+        "output_tokens": tokens, "output_tokens_per_s": round(tokens / wall, 1),
+        "mean_output_tokens": round(tokens / len(ok), 1),
+        "ttft_ms": {"p50": ms(ttft, 50), "p99": ms(ttft, 99)},
+        "tpot_ms": {"p50": ms(tpot, 50), "p99": ms(tpot, 99)},
+        "e2e_ms": {"p50": ms(e2e, 50), "p99": ms(e2e, 99)},
+    }
+
+
+async def run_scenarios(server: Server, endpoint: str, scenarios: list[tuple[str, float]], args) -> dict:
+    prompts = make_prompts(256)
+    request = tgi_request if (endpoint == "tgi" and server.name != "transformers") else openai_request
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    results = {}
+    async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as client:
+        async def send(prompt: str) -> Outcome:
+            return await request(client, server.model_field, prompt, args.max_new_tokens)
+
+        warm = await closed_loop(send, prompts, 4, 2)  # first requests: lazy init, allocator warm-up
+        if any(o.error for o in warm):
+            raise RuntimeError(f"{server.name} failed its warm-up: {[o.error for o in warm if o.error][:2]}")
+        for kind, value in scenarios:
+            t0 = time.monotonic()
+            if kind == "concurrency":
+                outcomes = await closed_loop(send, prompts, int(value), args.requests_per_client)
+            else:
+                outcomes = await poisson(send, prompts, value, args.duration)
+            summary = summarize(outcomes)
+            results[f"{kind}={value:g}"] = summary
+            log(f"{server.name} {kind}={value:g}: {summary.get('output_tokens_per_s')} tok/s, "
+                f"TTFT p50 {summary.get('ttft_ms', {}).get('p50')} ms, {summary['failures']} failures "
+                f"({time.monotonic() - t0:.0f} s)")
+    return results
+
+
+def ratios(results: dict, baseline: str) -> dict:
+    """Each hsdp variant over the baseline: throughput (higher is better) and TTFT/TPOT p50
+    (lower is better; shown as baseline / variant so that > 1 means better, too)."""
+    out = {}
+    base = results.get(baseline, {}).get("scenarios", {})
+    for name, result in results.items():
+        if name == baseline:
+            continue
+        per = {}
+        for scenario, s in result["scenarios"].items():
+            b = base.get(scenario)
+            if not b or "output_tokens_per_s" not in s or "output_tokens_per_s" not in b:
+                continue
+            per[scenario] = {
+                "output_tokens_per_s": round(s["output_tokens_per_s"] / b["output_tokens_per_s"], 3),
+                "requests_per_s": round(s["requests_per_s"] / b["requests_per_s"], 3),
+                "ttft_p50_speedup": _speedup(b["ttft_ms"]["p50"], s["ttft_ms"]["p50"]),
+                "tpot_p50_speedup": _speedup(b["tpot_ms"]["p50"], s["tpot_ms"]["p50"]),
+            }
+        out[name] = per
+    return out
+
+
+def _speedup(baseline_ms, variant_ms):
+    return None if not baseline_ms or not variant_ms else round(baseline_ms / variant_ms, 3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="checkpoint directory (default: the 80M bench Llama, generated once)")
+    parser.add_argument("--servers", default=",".join(SERVERS))
+    parser.add_argument("--concurrency", default="1,16,64", help="closed-loop client counts ('' for none)")
+    parser.add_argument("--rate", default="", help="Poisson arrival rates per second, e.g. 2,8")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds of Poisson arrivals (default 20)")
+    parser.add_argument("--requests-per-client", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--endpoint", choices=("openai", "tgi"), default="openai")
+    parser.add_argument("--out", help="also write the JSON report here")
+    args = parser.parse_args(argv)
+    servers = [s for s in args.servers.split(",") if s]
+    if unknown := set(servers) - set(SERVERS):
+        parser.error(f"unknown servers {sorted(unknown)}")
+    scenarios = [("concurrency", float(c)) for c in args.concurrency.split(",") if c]
+    scenarios += [("rate", float(r)) for r in args.rate.split(",") if r]
+    model_dir = args.model or bench_checkpoint()
+    max_running = max([int(v) for k, v in scenarios if k == "concurrency"] + [128])
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="serve-bench-") as log_dir:
+        for name in servers:
+            server = build_server(name, model_dir, log_dir, max_running)
+            try:
+                ready_s = server.start()
+                results[name] = {"argv": server.argv, "ready_s": round(ready_s, 2),
+                                 "scenarios": asyncio.run(run_scenarios(server, args.endpoint, scenarios, args))}
+            except Exception:
+                log(f"{name} failed; its log ends:\n" + open(server.log_path).read()[-3000:])
+                raise
+            finally:
+                server.stop()
+    report = {
+        "model": model_dir, "parameters": parameter_count(model_dir), "dtype": "bfloat16",
+        "max_new_tokens": args.max_new_tokens, "endpoint": args.endpoint, "cpu_count": os.cpu_count(),
+        "results": results,
+        "ratios_to_transformers": ratios(results, "transformers") if "transformers" in results else None,
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
