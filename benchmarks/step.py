@@ -9,7 +9,8 @@ prompt tokens, prefills them, and times ``steps`` decode steps of the real engin
 
   sharded    every unit gathers its parameters in its own pre-forward (FSDP2's default)
   prefetch1  each unit's pre-forward starts the next unit's all-gather (asynchronous on gloo)
-  prefetch   ... the next two units' (the server's default, depth 2)
+  prefetch   ... the next two units' (depth 2), all-gathers over gloo
+  shm        prefetch depth 2, all-gathers through shared memory (the server's default on CPU)
   resident   every unit keeps its gathered parameters (set_resident_units(model, -1))
 
 The floor of a sharded step is the larger of
@@ -35,7 +36,7 @@ import torch
 from benchmarks.models import bench_checkpoint, parameter_count
 from tests.dist import run_ranks, values
 
-MODES = ("sharded", "prefetch1", "prefetch", "resident")
+MODES = ("sharded", "prefetch1", "prefetch", "shm", "resident")
 TARGET = 1.2
 
 
@@ -94,6 +95,15 @@ def time_all_gather(nbytes: int, repeats: int) -> dict:
     return {"median_s": statistics.median(times), "bytes": numel * 2, "gb_per_s": numel * 2 / statistics.median(times) / 1e9}
 
 
+def _reset_all_gather(model) -> None:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_custom_all_gather(DefaultAllGather())
+
+
 def gathered_bytes(model) -> int:
     """Bytes of every sharded parameter once gathered: what one forward all-gathers."""
     from torch.distributed.tensor import DTensor
@@ -107,17 +117,26 @@ def rank_body(rank: int, world: int, model_dir: str, batches: list[int], context
 
     from loaders import load_hsdp_model
     from shard_engine import HSDPInferenceConfig, disable_forward_prefetch, enable_forward_prefetch
-    from shard_engine import set_resident_units
+    from shard_engine import enable_shared_memory_all_gather, set_resident_units, slots_for_depth
 
     loaded = load_hsdp_model(model_dir, HSDPInferenceConfig(), device=torch.device("cpu"))
     model, vocab = loaded.model, loaded.config.vocab_size
     nbytes = gathered_bytes(model)
     out: dict = {"threads": torch.get_num_threads(), "gathered_bytes": nbytes, "modes": {}}
+    pool = None
     for mode in modes:
         disable_forward_prefetch(model)
         residency = set_resident_units(model, -1 if mode == "resident" else 0)
-        if mode.startswith("prefetch"):
-            enable_forward_prefetch(model, depth=int(mode.removeprefix("prefetch") or 2))
+        if mode.startswith("prefetch") or mode == "shm":
+            enable_forward_prefetch(model, depth=int(mode.removeprefix("prefetch").removeprefix("shm") or 2))
+        if (mode == "shm") != (pool is not None):
+            if pool is None:
+                pool = enable_shared_memory_all_gather(model, slots=slots_for_depth(2))
+                assert pool is not None, "shared memory all-gather not available"
+            else:
+                _reset_all_gather(model)
+                pool.close()
+                pool = None
         out["modes"][mode] = {
             b: time_decode(model, rank, b, context, steps, vocab,
                            profile_dir and os.path.join(profile_dir, f"{mode}-b{b}-rank{rank}.prof"))
@@ -126,6 +145,9 @@ def rank_body(rank: int, world: int, model_dir: str, batches: list[int], context
         out["modes"][mode]["resident_extra_bytes"] = residency.extra_bytes
     disable_forward_prefetch(model)
     set_resident_units(model, 0)
+    if pool is not None:
+        _reset_all_gather(model)
+        pool.close()
     out["all_gather"] = time_all_gather(nbytes, repeats=max(steps, 8))
     del model, loaded
     dist.barrier()

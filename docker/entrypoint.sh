@@ -33,6 +33,7 @@ FLAG_VARS=(
     HSDP_COLLECTIVE_TIMEOUT:--collective-timeout
     HSDP_PREFETCH_DEPTH:--prefetch-depth
     HSDP_RESIDENT_UNITS:--resident-units
+    HSDP_ALL_GATHER:--all-gather
 )
 # Read here or by the server, not mapped onto flags.
 OTHER_VARS=(

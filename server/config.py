@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from server.launch import DEVICE_TYPES, LOG_LEVELS, parse_nproc_per_node
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ALL_GATHERS = ("auto", "shm", "group")
 
 
 @dataclass(kw_only=True)
@@ -63,6 +64,10 @@ class ServeConfig:
     prefetch_depth: int = 2
     """Units whose all-gathers each unit's forward starts ahead (overlap with compute); 0: none."""
 
+    all_gather: str = "auto"
+    """How units gather their parameters: shm (shared memory, CPU ranks of one host), group
+    (the process group's all-gather: gloo or NCCL), or auto (shm where it works)."""
+
     resident_units: int = 0
     """Units, in forward order, that keep their gathered parameters after the first gather
     (memory for speed); -1: all of them."""
@@ -88,6 +93,8 @@ class ServeConfig:
             raise ValueError("--step-timeout must be positive")
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        if self.all_gather not in ALL_GATHERS:
+            raise ValueError(f"--all-gather must be one of {ALL_GATHERS}, got {self.all_gather!r}")
         if self.prefetch_depth < 0:
             raise ValueError(f"--prefetch-depth must be >= 0, got {self.prefetch_depth}")
         if self.resident_units < -1:
@@ -130,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=1024 * 1024)
     p.add_argument("--prefetch-depth", type=int, default=2, metavar="N",
                    help="all-gathers each unit starts ahead, overlapping compute (default 2; 0: none)")
+    p.add_argument("--all-gather", choices=ALL_GATHERS, default="auto",
+                   help="shm: through shared memory (CPU ranks of one host); group: the process group's "
+                        "(gloo, NCCL); auto (default): shm where every rank maps the same /dev/shm")
     p.add_argument("--resident-units", type=_resident_units, default=0, metavar="K|all",
                    help="units (in forward order) that keep their gathered parameters: speed for memory "
                         "(default 0)")

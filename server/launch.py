@@ -276,6 +276,11 @@ def _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, s
                 raise error from None
             except SignalException as e:
                 raise GroupError(f"interrupted by {e.sigval.name}", exit_code=128 + int(e.sigval)) from None
+            finally:
+                # shared-memory all-gather buffers of ranks that died before removing them
+                from shard_engine.shm_all_gather import cleanup_run
+
+                cleanup_run(config.run_id)
     return results[0]
 
 

@@ -87,12 +87,13 @@ def serve_rank(cfg: ServeConfig) -> None:
     from server.scheduler import Scheduler
     from server.state import ServerState
     from server.watchdog import StepWatchdog
-    from shard_engine import HSDPInferenceConfig, enable_forward_prefetch, set_resident_units
+    from shard_engine import (HSDPInferenceConfig, enable_forward_prefetch, enable_shared_memory_all_gather,
+                              set_resident_units, slots_for_depth)
 
     hsdp = HSDPInferenceConfig(replicate_size=cfg.replicate_size, shard_size=cfg.shard_size)
     device = init_rank(resolve_device_type(cfg.device), cfg.collective_timeout_s)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    state = http = scheduler = None
+    state = http = scheduler = shm_pool = None
     if rank == 0:
         state = ServerState(
             model_id=cfg.model, dtype=cfg.dtype, mesh_shape=hsdp.resolve_mesh_shape(world_size),
@@ -106,6 +107,10 @@ def serve_rank(cfg: ServeConfig) -> None:
         )
         if cfg.prefetch_depth:
             enable_forward_prefetch(loaded.model, depth=cfg.prefetch_depth)
+        if cfg.all_gather != "group":
+            shm_pool = enable_shared_memory_all_gather(loaded.model, slots=slots_for_depth(cfg.prefetch_depth))
+            if shm_pool is None and cfg.all_gather == "shm":
+                raise ValueError("--all-gather shm: the ranks cannot share memory (see the log); use auto or group")
         residency = set_resident_units(loaded.model, cfg.resident_units)  # collective: same on every rank
         per_rank = [None] * world_size
         dist.all_gather_object(per_rank, (loaded.stats.bytes_read, residency.extra_bytes))  # every rank, once
@@ -125,7 +130,8 @@ def serve_rank(cfg: ServeConfig) -> None:
             state.metrics.load_seconds.set(loaded.stats.phase_seconds["total"])
             state.metrics.loaded_bytes.set(sum(bytes_per_rank))
             state.residency = dict(residency.as_dict(), extra_bytes_per_rank=[extra for _, extra in per_rank],
-                                   prefetch_depth=cfg.prefetch_depth)
+                                   prefetch_depth=cfg.prefetch_depth,
+                                   all_gather="shm" if shm_pool is not None else "group")
             state.metrics.resident_units.set(len(residency.units))
             state.metrics.sharded_units.set(residency.total_units)
             for r, (_, extra) in enumerate(per_rank):
@@ -147,6 +153,8 @@ def serve_rank(cfg: ServeConfig) -> None:
         _fail_open_requests(state, scheduler, f"{type(e).__name__}: {e}")
         raise
     finally:
+        if shm_pool is not None:
+            shm_pool.close()
         if http is not None:
             http.should_exit = True
 

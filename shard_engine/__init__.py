@@ -11,6 +11,12 @@ from shard_engine.overlap import (
     fsdp_units,
     set_resident_units,
 )
+from shard_engine.shm_all_gather import (
+    SharedMemoryAllGather,
+    SharedMemoryPool,
+    enable_shared_memory_all_gather,
+    slots_for_depth,
+)
 from shard_engine.sharding import (
     HSDPShardContext,
     apply_hsdp_to_model,
@@ -33,6 +39,8 @@ __all__ = [
     "HSDPInferenceConfig",
     "HSDPShardContext",
     "Residency",
+    "SharedMemoryAllGather",
+    "SharedMemoryPool",
     "apply_hsdp_to_model",
     "build_hsdp_mesh",
     "default_device",
@@ -40,6 +48,7 @@ __all__ = [
     "detect_decoder_layer_names",
     "disable_forward_prefetch",
     "enable_forward_prefetch",
+    "enable_shared_memory_all_gather",
     "finalize_hsdp_root",
     "find_ignored_param_names",
     "fsdp_units",
@@ -49,4 +58,5 @@ __all__ = [
     "set_resident_units",
     "shard_hsdp_module",
     "shard_model",
+    "slots_for_depth",
 ]

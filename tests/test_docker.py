@@ -214,7 +214,7 @@ def test_entrypoint_maps_every_variable_onto_a_flag_the_server_accepts(tmp_path)
         "HSDP_MAX_CONCURRENT_REQUESTS": "7", "HSDP_MAX_QUEUED_REQUESTS": "8", "HSDP_MAX_INPUT_TOKENS": "100",
         "HSDP_MAX_TOTAL_TOKENS": "200", "HSDP_MAX_BODY_BYTES": "4096", "HSDP_STEP_TIMEOUT": "11",
         "HSDP_SHUTDOWN_TIMEOUT": "12", "HSDP_COLLECTIVE_TIMEOUT": "13", "HSDP_API_KEY": "s3cret",
-        "HSDP_PREFETCH_DEPTH": "3", "HSDP_RESIDENT_UNITS": "all",
+        "HSDP_PREFETCH_DEPTH": "3", "HSDP_RESIDENT_UNITS": "all", "HSDP_ALL_GATHER": "group",
     }
     assert set(entrypoint_flag_vars()) == set(values) - {"HSDP_API_KEY"}
     r = run_entrypoint(values, "--max-queued-requests", "9")  # extra arguments come last and win
@@ -228,7 +228,7 @@ def test_entrypoint_maps_every_variable_onto_a_flag_the_server_accepts(tmp_path)
     assert (cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.max_input_tokens, cfg.max_total_tokens,
             cfg.max_body_bytes) == (7, 9, 100, 200, 4096)
     assert (cfg.step_timeout_s, cfg.shutdown_timeout_s, cfg.collective_timeout_s) == (11, 12, 13)
-    assert (cfg.prefetch_depth, cfg.resident_units) == (3, -1)
+    assert (cfg.prefetch_depth, cfg.resident_units, cfg.all_gather) == (3, -1, "group")
 
 
 def test_entrypoint_leaves_defaults_to_the_server_and_warns_of_unknown_variables():

@@ -100,6 +100,8 @@ def _assert_group_gone(server, deadline_s):
     assert server.proc.poll() is not None, "the launcher did not exit"
     assert server.proc.returncode != 0
     assert not wait_session_gone(sid, max(1.0, deadline - time.monotonic())), "orphaned processes"
+    # the shared-memory all-gather buffers of the dead group are gone too (the launcher's cleanup)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("hsdp-")]
 
 
 def _provoke(model_dir, tmp_path, extra_args, fault, after_error=lambda ranks: None):

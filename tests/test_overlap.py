@@ -31,10 +31,17 @@ def _forwards(rank, world_size, path, settings):
 
     dist.all_gather_single = counting
     out = {"units": len(fsdp_units(model)), "runs": []}
-    for depth, resident in settings:
+    pool = None
+    for depth, resident, shm in settings:
         disable_forward_prefetch(model)
         if depth:
             enable_forward_prefetch(model, depth=depth)
+        if shm and pool is None:
+            from shard_engine import enable_shared_memory_all_gather
+
+            pool = enable_shared_memory_all_gather(model, slots=5)
+            out["shm_dir"] = pool.directory
+            out["shm_files_after_gather"] = None
         residency = set_resident_units(model, resident)
         counts, exact = [], []
         for _ in range(2):
@@ -44,7 +51,17 @@ def _forwards(rank, world_size, path, settings):
             counts.append(gathers["n"])
             exact.append(torch.allclose(logits, expected, rtol=1e-5, atol=1e-5))
         out["runs"].append({"counts": counts, "exact": exact, "resident": residency.as_dict()})
+        if pool is not None and out["shm_files_after_gather"] is None:
+            import os
+
+            out["shm_files_after_gather"] = sorted(os.listdir(pool.directory))
     dist.all_gather_single = original
+    if pool is not None:
+        dist.barrier()
+        pool.close()
+        import os
+
+        out["shm_dir_left"] = os.path.exists(pool.directory)
     out["sharded_extra_bytes"] = sum(p.numel() * p.element_size() for p in reference.parameters()) - sum(
         p.to_local().numel() * p.element_size() for p in model.parameters() if hasattr(p, "to_local"))
     return out
@@ -56,11 +73,12 @@ def llama(tmp_path_factory):
 
 
 def test_prefetch_and_residency_keep_outputs_and_save_gathers(tmp_path, llama):
-    settings = [(0, 0), (1, 0), (2, 0), (0, -1), (2, 2), (0, 0)]
+    settings = [(0, 0, False), (1, 0, False), (2, 0, False), (0, -1, False), (2, 2, False), (0, 0, False),
+                (2, 0, True), (0, 0, True)]
     results = values(run_ranks(_forwards, 2, tmp_path, llama, settings, timeout=300))
     for r in results:
         units = r["units"]
-        plain, depth1, depth2, everything, two, back = r["runs"]
+        plain, depth1, depth2, everything, two, back, shm_prefetch, shm_plain = r["runs"]
         for run in r["runs"]:
             assert run["exact"] == [True, True]
         # every unit gathers once per forward, prefetched or not (here the root's own parameters
@@ -75,6 +93,22 @@ def test_prefetch_and_residency_keep_outputs_and_save_gathers(tmp_path, llama):
         assert 0 < two["resident"]["extra_bytes_per_rank"] < everything["resident"]["extra_bytes_per_rank"]
         # and back to nothing resident: the units are resharded and gather again
         assert back["counts"] == [units, units] and back["resident"]["extra_bytes_per_rank"] == 0
+        # through shared memory: no all-gather on the process group at all, the same logits
+        assert shm_prefetch["counts"] == shm_plain["counts"] == [0, 0]
+        assert r["shm_files_after_gather"][0] == "probe" and len(r["shm_files_after_gather"]) == 1 + 5
+        assert r["shm_dir"].startswith("/dev/shm/hsdp-") and not r["shm_dir_left"]
+
+
+def _shm_unavailable(rank, world_size, path):
+    from loaders import load_hsdp_model
+    from shard_engine import HSDPInferenceConfig, enable_shared_memory_all_gather
+
+    model = load_hsdp_model(path, HSDPInferenceConfig()).model
+    return enable_shared_memory_all_gather(model, min_free_bytes=1 << 60) is None  # more than any /dev/shm
+
+
+def test_shared_memory_all_gather_declines_on_every_rank(tmp_path, llama):
+    assert values(run_ranks(_shm_unavailable, 2, tmp_path, llama, timeout=240)) == [True, True]
 
 
 def test_prefetch_depth_must_be_positive():
@@ -90,12 +124,13 @@ def test_server_reports_residency_and_serves_the_same_tokens(tmp_path, llama):
     from tests.checkpoints import PROMPTS, reference_generate
     from tests.server_process import ServerProcess
 
-    server = ServerProcess(llama, extra_args=("--resident-units", "all", "--prefetch-depth", "1"),
+    server = ServerProcess(llama, extra_args=("--resident-units", "all", "--prefetch-depth", "1", "--all-gather", "group"),
                            log_path=tmp_path / "log")
     try:
         server.poll_ready()
         residency = server.client.get("/info").json()["residency"]
         assert residency["units"] == residency["of"] > 0 and residency["prefetch_depth"] == 1
+        assert residency["all_gather"] == "group"
         extra = residency["extra_bytes_per_rank"]
         assert len(extra) == 2 and all(e > 0 for e in extra)
         metrics = server.client.get("/metrics").text

@@ -81,6 +81,9 @@ def test_health_and_info(served):
     assert info["mesh_shape"] == {"replicate": 1, "shard": 2}
     assert info["max_total_tokens"] == 256 and info["max_input_tokens"] == 255
     assert info["model_dtype"] == "float32"
+    # CPU ranks of one host: gathers go through shared memory, nothing resident, prefetch depth 2
+    assert info["residency"] == {"units": 0, "of": 6, "names": [], "extra_bytes_per_rank": [0, 0],
+                                 "prefetch_depth": 2, "all_gather": "shm"}
 
 
 def test_greedy_matches_transformers(served, reference):

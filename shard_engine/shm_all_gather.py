@@ -1,0 +1,188 @@
+"""An all-gather through shared memory, for CPU ranks of one host.
+
+FSDP2 gathers a unit in place: it allocates one output buffer of ``world x shard`` elements,
+copies this rank's shard into its slice, then asks the collective to fill in the others. When
+the output buffer is one shared-memory mapping that every rank of the shard group sees, the
+copy-in *is* the gather: once every rank has written its slice (a barrier says so) every
+rank's buffer holds the whole unit. gloo instead moves those bytes through TCP on loopback,
+which on a CPU host costs as much processor time as the forward (measured in
+benchmarks/step.py: ~0.8 GB/s).
+
+The buffers are a ring of slots, files under /dev/shm taken in call order (the same order on
+every rank, since all-gathers are collectives) and grown when a larger unit comes. A slot
+must not be rewritten while a slower rank still copies out of it. With prefetch depth ``d`` a
+rank issues gather ``j`` (writing its slice) only after its barrier for gather ``j - d`` has
+passed, so after every rank issued ``j - d``, which each does only after its own copy-out of
+``j - 2d``: ``2d + 1`` slots are enough (:func:`slots_for_depth`). Only the ring is held, not
+the model: a few units' worth of shared memory per host.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import uuid
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGather
+
+logger = logging.getLogger(__name__)
+
+SHM_ROOT = "/dev/shm"
+_ALIGN = 1 << 20
+
+
+class SharedMemoryPool:
+    """The ring of shared buffers of one shard group; every rank of the group holds one."""
+
+    def __init__(self, directory: str, slots: int):
+        self.directory, self.slots = directory, slots
+        self._buffers: list[torch.Tensor | None] = [None] * slots
+        self._generation = [0] * slots
+        self.calls = 0
+        self.bytes = 0  # mapped now, per host
+
+    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        slot = self.calls % self.slots
+        self.calls += 1
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        current = self._buffers[slot]
+        if current is None or current.numel() < nbytes:
+            self._generation[slot] += 1
+            size = math.ceil(nbytes / _ALIGN) * _ALIGN
+            path = os.path.join(self.directory, f"slot{slot}-{self._generation[slot]}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, size)  # every rank sets the same size: order does not matter
+            finally:
+                os.close(fd)
+            self.bytes += size - (current.numel() if current is not None else 0)
+            self._buffers[slot] = current = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        return current[:nbytes].view(dtype)
+
+    def close(self) -> None:
+        self._buffers = [None] * self.slots
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class SharedMemoryAllGather(AllGather):
+    """FSDP2's all-gather comm (``FSDPModule.set_custom_all_gather``) over a :class:`SharedMemoryPool`."""
+
+    def __init__(self, pool: SharedMemoryPool):
+        self.pool = pool
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.pool.buffer(math.prod(size), dtype)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None:
+        # FSDP2 copied this rank's shard into its slice of the shared output already; the
+        # barrier (on the same group, in the same place as the all-gather it replaces) says
+        # that every rank has.
+        return dist.barrier(group=group, async_op=async_op)
+
+
+def slots_for_depth(prefetch_depth: int) -> int:
+    """Ring slots that keep every gather's buffer intact until each rank has copied out of it."""
+    return max(2 * prefetch_depth + 1, 3)
+
+
+def enable_shared_memory_all_gather(model: nn.Module, *, slots: int = 5, run_id: str | None = None,
+                                    min_free_bytes: int | None = None) -> SharedMemoryPool | None:
+    """Have every FSDP2 unit of ``model`` gather through shared memory, when every rank of its
+    shard group can map the same file; returns the pool (close it at the end), or None, having
+    changed nothing, where that is not possible (not on CPU, several hosts, /dev/shm too small).
+
+    Collective over the default group: every rank must call it, in the same place.
+    """
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = {id(g): g for g in (_shard_group(u) for u in units) if g is not None}
+    param = next(model.parameters(), None)
+    reason = None
+    if not units or len(groups) != 1:
+        reason = "the model has no single FSDP shard group"
+    elif param is None or param.device.type != "cpu":
+        reason = "the parameters are not on the CPU"
+    (group,) = groups.values() if len(groups) == 1 else (None,)
+    largest = max((_gathered_bytes(u) for u in units), default=0)
+    need = min_free_bytes if min_free_bytes is not None else 2 * slots * largest
+    token = [run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex]
+    dist.broadcast_object_list(token, src=0)  # one name for the whole run
+    directory = None
+    if reason is None:
+        ranks = dist.get_process_group_ranks(group)
+        directory = os.path.join(SHM_ROOT, f"hsdp-{token[0]}-g{ranks[0]}")
+        reason = _probe(directory, group, ranks, need)
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, reason)
+    failed = next((v for v in verdicts if v is not None), None)
+    if failed is not None:
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+        logger.info("all-gathers stay on the process group: %s", failed)
+        return None
+    pool = SharedMemoryPool(directory, slots)
+    comm = SharedMemoryAllGather(pool)
+    for unit in units:
+        unit.set_custom_all_gather(comm)
+    return pool
+
+
+def cleanup_run(run_id: str) -> None:
+    """Remove what a run's ranks left under /dev/shm (for a launcher, after its ranks ended)."""
+    prefix = f"hsdp-{run_id}-g"
+    try:
+        names = os.listdir(SHM_ROOT)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(prefix):
+            shutil.rmtree(os.path.join(SHM_ROOT, name), ignore_errors=True)
+
+
+def _probe(directory: str, group: dist.ProcessGroup, ranks: list[int], need_bytes: int) -> str | None:
+    """None if every rank of ``group`` sees the bytes the group's first rank writes, else why not."""
+    me = dist.get_rank()
+    path = os.path.join(directory, "probe")
+    stamp = uuid.uuid4().bytes
+    box = [stamp]
+    dist.broadcast_object_list(box, src=ranks[0], group=group)
+    problem = None
+    try:
+        if me == ranks[0]:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            stat = os.statvfs(directory)
+            if stat.f_bavail * stat.f_frsize < need_bytes:
+                problem = f"{SHM_ROOT} has {stat.f_bavail * stat.f_frsize >> 20} MiB free, {need_bytes >> 20} needed"
+            with open(path, "wb") as f:
+                f.write(box[0])
+    except OSError as e:
+        problem = f"cannot write {path}: {e}"
+    dist.barrier(group=group)
+    if problem is None and me != ranks[0]:
+        try:
+            with open(path, "rb") as f:
+                if f.read() != box[0]:
+                    problem = f"{path} differs between ranks"
+        except OSError:
+            problem = f"rank {me} does not see {path}: another host or another /dev/shm"
+    dist.barrier(group=group)
+    return problem
+
+
+def _shard_group(unit: FSDPModule):
+    group = unit._get_fsdp_state()._fsdp_param_group
+    return None if group is None else group.mesh_info.shard_process_group
+
+
+def _gathered_bytes(unit: FSDPModule) -> int:
+    group = unit._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return 0
+    return sum(p._orig_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params)
