@@ -2,7 +2,7 @@
 PYTHON ?= python3
 STAMP := .install-stamp
 
-.PHONY: install serve test bench-load
+.PHONY: install serve test bench-load bench-step bench-serve
 
 $(STAMP): pyproject.toml scripts/install.sh
 	PYTHON=$(PYTHON) scripts/install.sh
@@ -18,3 +18,11 @@ test: $(STAMP)
 
 bench-load: $(STAMP)
 	$(PYTHON) -m benchmarks.load $(ARGS)
+
+bench-step: $(STAMP)
+	$(PYTHON) -m benchmarks.step $(ARGS)
+
+# transformers serve (the peer) needs accelerate: the bench extra
+bench-serve: $(STAMP)
+	$(PYTHON) -m pip install -q -e '.[test,bench]'
+	$(PYTHON) -m benchmarks.serve $(ARGS)

@@ -3,14 +3,16 @@
     python -m benchmarks.serve [--model DIR] [--servers transformers,hsdp,hsdp-resident]
                                [--concurrency 1,16,64] [--rate R,...] [--duration 20]
                                [--requests-per-client 3] [--max-new-tokens 32]
-                               [--endpoint openai|tgi] [--out FILE]
+                               [--endpoint openai|tgi] [--out FILE] [--render FILE]
 
 Every server is started by this script on the same generated checkpoint (the 80M-parameter
 bench Llama, bf16) in the same dtype, one after the other, on this machine:
 
   transformers   transformers serve --continuous-batching --device cpu --dtype bfloat16 (one
                  process; torch uses every core)
-  hsdp           hsdp-serve on 2 CPU ranks, nothing resident (weights gathered every step)
+  hsdp           hsdp-serve on 2 CPU ranks, its defaults: nothing resident (every unit gathered
+                 every step), prefetch depth 2, all-gathers through shared memory
+  hsdp-gloo      the same with --all-gather group: all-gathers over gloo (TCP on loopback)
   hsdp-resident  hsdp-serve on 2 CPU ranks, --resident-units all
 
 Load, streamed requests (so that the first token is seen when it comes):
@@ -32,19 +34,18 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
 from benchmarks.models import bench_checkpoint, parameter_count
 from tests.server_process import REPO, free_port
 
-SERVERS = ("transformers", "hsdp", "hsdp-resident")
+SERVERS = ("transformers", "hsdp", "hsdp-gloo", "hsdp-resident")
 PROMPT_WORDS = (
     "the server shards the weights of a causal language model over a group of ranks and every rank "
     "reads the checkpoint directly keeping only its rows of each tensor while rank zero answers "
@@ -123,6 +124,8 @@ def build_server(name: str, model_dir: str, log_dir: str, max_running: int) -> S
             "--log-level", "warning"]
     if name == "hsdp-resident":
         argv += ["--resident-units", "all"]
+    if name == "hsdp-gloo":
+        argv += ["--all-gather", "group"]
     return Server(name, argv, port, "/ready", model_dir, log_path)
 
 
@@ -136,60 +139,57 @@ class Outcome:
     error: str | None = None
 
 
-async def openai_request(client: httpx.AsyncClient, model: str, prompt: str, max_new_tokens: int) -> Outcome:
+async def _streamed(client: httpx.AsyncClient, path: str, body: dict, on_event) -> Outcome:
+    """POST ``body`` to ``path`` and read the server-sent events, ``on_event(event, outcome)``
+    for each; an HTTP error, an error event or a broken connection ends it as a failure."""
     out = Outcome(time.perf_counter())
-    body = {"model": model, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    chunks = 0
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 out.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return out
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                payload = line[5:].strip() if line.startswith("data:") else "[DONE]"
+                if payload == "[DONE]":
                     continue
-                event = json.loads(line[6:])
+                event = json.loads(payload)
                 if "error" in event:
                     out.error = str(event["error"])[:200]
                     return out
-                if any(c.get("text") for c in event.get("choices") or ()):
-                    chunks += 1
-                    if out.first is None:
-                        out.first = time.perf_counter()
-                if event.get("usage"):
-                    out.tokens = event["usage"]["completion_tokens"]
-        out.tokens = out.tokens or chunks
+                on_event(event, out)
     except httpx.HTTPError as e:
         out.error = f"{type(e).__name__}: {e}"
     finally:
         out.end = time.perf_counter()
+    return out
+
+
+async def openai_request(client: httpx.AsyncClient, model: str, prompt: str, max_new_tokens: int) -> Outcome:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    chunks = [0]
+
+    def on_event(event: dict, out: Outcome) -> None:
+        if any(c.get("text") for c in event.get("choices") or ()):
+            chunks[0] += 1
+            if out.first is None:
+                out.first = time.perf_counter()
+        if event.get("usage"):
+            out.tokens = event["usage"]["completion_tokens"]
+
+    out = await _streamed(client, "/v1/completions", body, on_event)
+    out.tokens = out.tokens or chunks[0]  # usage when the server sends it, else the chunks with text
     return out
 
 
 async def tgi_request(client: httpx.AsyncClient, model: str, prompt: str, max_new_tokens: int) -> Outcome:
-    out = Outcome(time.perf_counter())
+    def on_event(event: dict, out: Outcome) -> None:
+        out.tokens += 1
+        if out.first is None:
+            out.first = time.perf_counter()
+
     body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}}
-    try:
-        async with client.stream("POST", "/generate_stream", json=body) as r:
-            if r.status_code != 200:
-                out.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return out
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                event = json.loads(line[5:])
-                if "error" in event:
-                    out.error = str(event["error"])[:200]
-                    return out
-                out.tokens += 1
-                if out.first is None:
-                    out.first = time.perf_counter()
-    except httpx.HTTPError as e:
-        out.error = f"{type(e).__name__}: {e}"
-    finally:
-        out.end = time.perf_counter()
-    return out
+    return await _streamed(client, "/generate_stream", body, on_event)
 
 
 # -- load ------------------------------------------------------------------------------------------
@@ -306,10 +306,34 @@ def _speedup(baseline_ms, variant_ms):
     return None if not baseline_ms or not variant_ms else round(baseline_ms / variant_ms, 3)
 
 
+def markdown(report: dict) -> str:
+    """The report as two Markdown tables: every server and scenario, then the ratios."""
+    lines = ["| server | scenario | req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
+             "e2e p50 / p99 ms | failures |", "|---|---|---|---|---|---|---|---|"]
+    for name, result in report["results"].items():
+        for scenario, m in result["scenarios"].items():
+            if "output_tokens_per_s" not in m:
+                lines.append(f"| {name} | {scenario} | | | | | | {m['failures']} of {m['requests']} |")
+                continue
+            lines.append(
+                f"| {name} | {scenario} | {m['requests_per_s']} | {m['output_tokens_per_s']} | "
+                f"{m['ttft_ms']['p50']} / {m['ttft_ms']['p99']} | {m['tpot_ms']['p50']} / {m['tpot_ms']['p99']} | "
+                f"{m['e2e_ms']['p50']} / {m['e2e_ms']['p99']} | {m['failures']} of {m['requests']} |")
+    ratios = report.get("ratios_to_transformers") or {}
+    if ratios:
+        lines += ["", "| server / transformers | scenario | output tok/s | TTFT p50 speed-up | TPOT p50 speed-up |",
+                  "|---|---|---|---|---|"]
+        for name, per in ratios.items():
+            for scenario, r in per.items():
+                lines.append(f"| {name} | {scenario} | {r['output_tokens_per_s']}x | {r['ttft_p50_speedup']}x | "
+                             f"{r['tpot_p50_speedup']}x |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="checkpoint directory (default: the 80M bench Llama, generated once)")
-    parser.add_argument("--servers", default=",".join(SERVERS))
+    parser.add_argument("--servers", default=",".join(SERVERS), help=f"any of {','.join(SERVERS)} (default all)")
     parser.add_argument("--concurrency", default="1,16,64", help="closed-loop client counts ('' for none)")
     parser.add_argument("--rate", default="", help="Poisson arrival rates per second, e.g. 2,8")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of Poisson arrivals (default 20)")
@@ -317,7 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--endpoint", choices=("openai", "tgi"), default="openai")
     parser.add_argument("--out", help="also write the JSON report here")
+    parser.add_argument("--render", metavar="FILE", help="print a saved JSON report as Markdown tables, and exit")
     args = parser.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            print(markdown(json.load(f)))
+        return 0
     servers = [s for s in args.servers.split(",") if s]
     if unknown := set(servers) - set(SERVERS):
         parser.error(f"unknown servers {sorted(unknown)}")
@@ -346,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     text = json.dumps(report, indent=2)
     print(text)
+    print(markdown(report), file=sys.stderr)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")

@@ -1,11 +1,12 @@
 """The sharded decode step against its floor, on CPU ranks (gloo).
 
     python -m benchmarks.step [--model DIR] [--nproc 2] [--batches 1,16] [--context 48] [--steps 24]
-                              [--modes sharded,prefetch,resident] [--profile DIR]
+                              [--modes sharded,prefetch1,prefetch,shm,resident] [--repeats 3] [--profile DIR]
 
 Each rank loads the checkpoint sharded (load_hsdp_model), owns ``batch`` sequences of ``context``
 prompt tokens, prefills them, and times ``steps`` decode steps of the real engine
-(server.engine.RankEngine: one packed forward per step plus token selection), median per step:
+(server.engine.RankEngine: one packed forward per step plus token selection), median per step,
+best of --repeats interleaved rounds:
 
   sharded    every unit gathers its parameters in its own pre-forward (FSDP2's default)
   prefetch1  each unit's pre-forward starts the next unit's all-gather (asynchronous on gloo)
@@ -112,7 +113,7 @@ def gathered_bytes(model) -> int:
 
 
 def rank_body(rank: int, world: int, model_dir: str, batches: list[int], context: int, steps: int,
-              modes: list[str], profile_dir: str | None) -> dict:
+              modes: list[str], profile_dir: str | None, repeats: int) -> dict:
     import torch.distributed as dist
 
     from loaders import load_hsdp_model
@@ -124,38 +125,46 @@ def rank_body(rank: int, world: int, model_dir: str, batches: list[int], context
     nbytes = gathered_bytes(model)
     out: dict = {"threads": torch.get_num_threads(), "gathered_bytes": nbytes, "modes": {}}
     pool = None
-    for mode in modes:
-        disable_forward_prefetch(model)
-        residency = set_resident_units(model, -1 if mode == "resident" else 0)
-        if mode.startswith("prefetch") or mode == "shm":
-            enable_forward_prefetch(model, depth=int(mode.removeprefix("prefetch").removeprefix("shm") or 2))
-        if (mode == "shm") != (pool is not None):
-            if pool is None:
-                pool = enable_shared_memory_all_gather(model, slots=slots_for_depth(2))
-                assert pool is not None, "shared memory all-gather not available"
-            else:
-                _reset_all_gather(model)
-                pool.close()
-                pool = None
-        out["modes"][mode] = {
-            b: time_decode(model, rank, b, context, steps, vocab,
-                           profile_dir and os.path.join(profile_dir, f"{mode}-b{b}-rank{rank}.prof"))
-            for b in batches
-        }
-        out["modes"][mode]["resident_extra_bytes"] = residency.extra_bytes
+    for round_ in range(repeats):
+        # rounds interleave the modes, and each figure is the best round's: the machine's noise
+        # only ever slows a run down
+        for mode in modes[round_ % len(modes):] + modes[:round_ % len(modes)]:
+            disable_forward_prefetch(model)
+            residency = set_resident_units(model, -1 if mode == "resident" else 0)
+            if mode.startswith("prefetch") or mode == "shm":
+                enable_forward_prefetch(model, depth=int(mode.removeprefix("prefetch").removeprefix("shm") or 2))
+            if (mode == "shm") != (pool is not None):
+                if pool is None:
+                    pool = enable_shared_memory_all_gather(model, slots=slots_for_depth(2))
+                    assert pool is not None, "shared memory all-gather not available"
+                else:
+                    _reset_all_gather(model)
+                    pool.close()
+                    pool = None
+            results = out["modes"].setdefault(mode, {"resident_extra_bytes": residency.extra_bytes})
+            for b in batches:
+                timing = time_decode(model, rank, b, context, steps, vocab,
+                                     profile_dir and os.path.join(profile_dir, f"{mode}-b{b}-rank{rank}.prof"))
+                if b not in results or timing["median_s"] < results[b]["median_s"]:
+                    results[b] = timing
     disable_forward_prefetch(model)
     set_resident_units(model, 0)
     if pool is not None:
         _reset_all_gather(model)
         pool.close()
-    out["all_gather"] = time_all_gather(nbytes, repeats=max(steps, 8))
+    out["all_gather"] = time_all_gather(nbytes, repeats=max(steps, 8) * repeats)
     del model, loaded
     dist.barrier()
     from transformers import AutoModelForCausalLM
 
     full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     dist.barrier()
-    out["unsharded"] = {b: time_decode(full, rank, b, context, steps, vocab) for b in batches}
+    out["unsharded"] = {}
+    for _ in range(repeats):
+        for b in batches:
+            timing = time_decode(full, rank, b, context, steps, vocab)
+            if b not in out["unsharded"] or timing["median_s"] < out["unsharded"][b]["median_s"]:
+                out["unsharded"][b] = timing
     return out
 
 
@@ -188,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=48, help="prompt tokens per sequence (default 48)")
     parser.add_argument("--steps", type=int, default=24, help="timed decode steps (default 24)")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over the modes; best kept (default 3)")
     parser.add_argument("--profile", metavar="DIR", help="write a cProfile of each timed run per rank")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -200,10 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{model_dir}: {parameter_count(model_dir) / 1e6:.1f}M parameters, {args.nproc} ranks, batches {batches}")
     with tempfile.TemporaryDirectory() as tmp:
         per_rank = values(run_ranks(rank_body, args.nproc, pathlib.Path(tmp), model_dir, batches, args.context,
-                                    args.steps, modes, args.profile, timeout=1800, pg_timeout_s=600))
+                                    args.steps, modes, args.profile, args.repeats, timeout=3600, pg_timeout_s=600))
     report = {
         "model": model_dir, "parameters": parameter_count(model_dir), "nproc": args.nproc,
         "threads_per_rank": per_rank[0]["threads"], "context": args.context, "steps": args.steps,
+        "repeats": args.repeats,
         "gathered_bytes_per_forward": per_rank[0]["gathered_bytes"],
         "all_gather_gb_per_s": round(min(r["all_gather"]["gb_per_s"] for r in per_rank), 3),
         "resident_extra_bytes_per_rank": per_rank[0]["modes"].get("resident", {}).get("resident_extra_bytes"),

@@ -111,19 +111,21 @@ def _attend(group: _Group, query_HTd, key_HKd, value_HKd, scale: float, out_THd)
     groups = heads // kv_heads
     num_seqs, q_len = group.q_index_SQ.shape
     k_len = group.k_index_SL.shape[1]
-    # [S, Hkv, G, Q, d] and [S, Hkv, 1, L, d]: grouped-query heads share their key head by broadcasting
+    # Heads-major, as index_select leaves them: keys [Hkv, S, L, d]; queries [Hkv, S, G*Q, d],
+    # the G query heads that share a key head stacked on the query axis, so both matmuls are
+    # plain batched matmuls over (Hkv, S) of contiguous operands
     q = query_HTd.index_select(1, group.q_index_SQ.flatten()).view(kv_heads, groups, num_seqs, q_len, dim)
-    q = q.permute(2, 0, 1, 3, 4)
+    q = q.transpose(1, 2).reshape(kv_heads, num_seqs, groups * q_len, dim)
     k = key_HKd.index_select(1, group.k_index_SL.flatten()).view(kv_heads, num_seqs, k_len, dim)
     v = value_HKd.index_select(1, group.k_index_SL.flatten()).view(kv_heads, num_seqs, k_len, dim)
-    k, v = k.transpose(0, 1).unsqueeze(2), v.transpose(0, 1).unsqueeze(2)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    scores.masked_fill_(~group.allowed_S1QL.unsqueeze(1), float("-inf"))
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [Hkv, S, G*Q, L]
+    allowed = group.allowed_S1QL.expand(num_seqs, groups, q_len, k_len).reshape(num_seqs, groups * q_len, k_len)
+    scores.masked_fill_(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out_SQHd = torch.matmul(probs, v).reshape(num_seqs, heads, q_len, dim).transpose(1, 2)
+    out = torch.matmul(probs, v).view(kv_heads, num_seqs, groups, q_len, dim)  # head = kv_head * G + g
+    out_SQHd = out.permute(1, 3, 0, 2, 4).reshape(num_seqs * q_len, heads, dim)
     rows = group.q_valid_SQ.flatten().nonzero().squeeze(1)
-    out_THd.index_copy_(0, group.q_index_SQ.flatten().index_select(0, rows),
-                        out_SQHd.reshape(num_seqs * q_len, heads, dim).index_select(0, rows))
+    out_THd.index_copy_(0, group.q_index_SQ.flatten().index_select(0, rows), out_SQHd.index_select(0, rows))
 
 
 def use_packed_attention(model) -> bool:

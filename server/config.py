@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from server.launch import DEVICE_TYPES, LOG_LEVELS, parse_nproc_per_node
+from server.launch import DEVICE_TYPES, LOG_LEVELS, int_or_keyword, parse_nproc_per_node
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALL_GATHERS = ("auto", "shm", "group")
@@ -66,7 +66,8 @@ class ServeConfig:
 
     all_gather: str = "auto"
     """How units gather their parameters: shm (shared memory, CPU ranks of one host), group
-    (the process group's all-gather: gloo or NCCL), or auto (shm where it works)."""
+    (the process group's all-gather: gloo or NCCL), or auto (shm where it works, unless every
+    unit is resident)."""
 
     resident_units: int = 0
     """Units, in forward order, that keep their gathered parameters after the first gather
@@ -140,22 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-gather", choices=ALL_GATHERS, default="auto",
                    help="shm: through shared memory (CPU ranks of one host); group: the process group's "
                         "(gloo, NCCL); auto (default): shm where every rank maps the same /dev/shm")
-    p.add_argument("--resident-units", type=_resident_units, default=0, metavar="K|all",
+    p.add_argument("--resident-units", type=int_or_keyword("all", -1, 0), default=0, metavar="K|all",
                    help="units (in forward order) that keep their gathered parameters: speed for memory "
                         "(default 0)")
     return p
-
-
-def _resident_units(text: str) -> int:
-    if text == "all":
-        return -1
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a count or 'all', got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def parse_serve_config(argv: list[str] | None = None) -> ServeConfig:

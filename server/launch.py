@@ -66,17 +66,25 @@ CPU_DEFAULT_NPROC_PER_NODE = 2
 """Ranks per node that ``--nproc-per-node auto`` starts on CPU (gloo)."""
 
 
-def parse_nproc_per_node(text: str) -> int | None:
-    """argparse type for ``--nproc-per-node``: a positive integer, or ``auto`` (None)."""
-    if text == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def int_or_keyword(keyword: str, keyword_value, minimum: int):
+    """An argparse type: an integer >= ``minimum``, or ``keyword``, which parses to ``keyword_value``."""
+
+    def parse(text: str):
+        if text == keyword:
+            return keyword_value
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer or {keyword!r}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+parse_nproc_per_node = int_or_keyword("auto", None, 1)
+"""argparse type for ``--nproc-per-node``: a positive integer, or ``auto`` (None)."""
 
 
 def resolve_nproc_per_node(nproc_per_node: int | None, device_type: str) -> int:

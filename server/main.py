@@ -107,7 +107,8 @@ def serve_rank(cfg: ServeConfig) -> None:
         )
         if cfg.prefetch_depth:
             enable_forward_prefetch(loaded.model, depth=cfg.prefetch_depth)
-        if cfg.all_gather != "group":
+        if cfg.all_gather == "shm" or (cfg.all_gather == "auto" and cfg.resident_units != -1):
+            # (with every unit resident nothing is gathered after startup: auto leaves it be)
             shm_pool = enable_shared_memory_all_gather(loaded.model, slots=slots_for_depth(cfg.prefetch_depth))
             if shm_pool is None and cfg.all_gather == "shm":
                 raise ValueError("--all-gather shm: the ranks cannot share memory (see the log); use auto or group")
