@@ -19,6 +19,7 @@ the model: a few units' worth of shared memory per host.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -47,6 +48,7 @@ class SharedMemoryPool:
         self._generation = [0] * slots
         self.calls = 0
         self.bytes = 0  # mapped now, per host
+        atexit.register(self.close)  # a process that never closes it still removes its files
 
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         slot = self.calls % self.slots
@@ -69,6 +71,7 @@ class SharedMemoryPool:
     def close(self) -> None:
         self._buffers = [None] * self.slots
         shutil.rmtree(self.directory, ignore_errors=True)
+        atexit.unregister(self.close)
 
 
 class SharedMemoryAllGather(AllGather):

@@ -92,7 +92,11 @@ def test_abandoned_requests_are_freed(model_dir, tmp_path):
         server.stop()
 
 
-def _assert_group_gone(server, deadline_s):
+def _shm_dirs() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("hsdp-")}
+
+
+def _assert_group_gone(server, deadline_s, shm_before=frozenset()):
     sid = server.proc.pid
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline and server.proc.poll() is None:
@@ -101,10 +105,11 @@ def _assert_group_gone(server, deadline_s):
     assert server.proc.returncode != 0
     assert not wait_session_gone(sid, max(1.0, deadline - time.monotonic())), "orphaned processes"
     # the shared-memory all-gather buffers of the dead group are gone too (the launcher's cleanup)
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith("hsdp-")]
+    assert not _shm_dirs() - shm_before
 
 
 def _provoke(model_dir, tmp_path, extra_args, fault, after_error=lambda ranks: None):
+    shm_before = _shm_dirs()
     server = ServerProcess(model_dir, log_path=tmp_path / "log", extra_args=(*ROOM, *extra_args))
     try:
         server.poll_ready()
@@ -129,7 +134,7 @@ def _provoke(model_dir, tmp_path, extra_args, fault, after_error=lambda ranks: N
         errors = [e for kind, e in events if kind == "data" and "error" in e]
         assert errors or any(kind == "transport" for kind, _ in events), events[-3:]
         after_error(ranks)
-        _assert_group_gone(server, 30)
+        _assert_group_gone(server, 30, shm_before)
         return server, errors, health
     finally:
         server.stop()
