@@ -10,6 +10,7 @@ from server.launch import DEVICE_TYPES, LOG_LEVELS, int_or_keyword, parse_nproc_
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALL_GATHERS = ("auto", "shm", "group")
+MIN_STEP_TIMEOUT_S = 2.0
 
 
 @dataclass(kw_only=True)
@@ -90,8 +91,9 @@ class ServeConfig:
             raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
         if self.shutdown_timeout_s < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
-        if self.step_timeout_s <= 0:
-            raise ValueError("--step-timeout must be positive")
+        if self.step_timeout_s < MIN_STEP_TIMEOUT_S:
+            # ranks other than 0 wait for the next plan under the watch, up to rank 0's idle wait (1 s)
+            raise ValueError(f"--step-timeout must be >= {MIN_STEP_TIMEOUT_S:g} s, got {self.step_timeout_s:g}")
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
         if self.all_gather not in ALL_GATHERS:

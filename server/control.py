@@ -44,13 +44,16 @@ def run_engine_loop(engine: RankEngine, channel: ControlChannel, scheduler=None,
     """
     clock = time.perf_counter
     while True:
-        planned = scheduler.next_plan() if scheduler is not None else None
+        planned = scheduler.next_plan() if scheduler is not None else None  # may wait while idle
+        # Watched from before the plan goes out: a peer stopped between two steps blocks the
+        # broadcast, and the other ranks wait there too while rank 0 idles (at most its idle
+        # wait, which --step-timeout must exceed).
+        if watchdog is not None:
+            watchdog.step_started()
         t0 = clock()
         plan = channel.broadcast_plan(planned)
         if plan.shutdown:
             return
-        if watchdog is not None:
-            watchdog.step_started()
         t1 = clock()
         result = engine.step(plan)
         t2 = clock()

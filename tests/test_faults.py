@@ -166,6 +166,25 @@ def test_stuck_step_trips_the_watchdog(model_dir, tmp_path):
     assert 503 in health
 
 
+def test_rank_stopped_while_idle_trips_the_watchdog(model_dir, tmp_path):
+    """A peer stopped between steps blocks rank 0 in the control channel's broadcast, which is
+    watched too: the group goes down instead of waiting out the collective timeout."""
+    shm_before = _shm_dirs()
+    server = ServerProcess(model_dir, log_path=tmp_path / "log", extra_args=("--step-timeout", "3"))
+    try:
+        server.poll_ready()
+        ranks = rank_pids(server.client)
+        os.kill(ranks[1], signal.SIGSTOP)  # no request: the ranks are between idle plans
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and "step timeout" not in open(tmp_path / "log").read():
+            time.sleep(0.1)
+        os.kill(ranks[1], signal.SIGCONT)
+        assert "step timeout" in open(tmp_path / "log").read(), server.log_tail()
+        _assert_group_gone(server, 30, shm_before)
+    finally:
+        server.stop()
+
+
 def _drain(model_dir, tmp_path, target):
     """SIGTERM while a request streams: it finishes, new requests get 503, the group exits."""
     server = ServerProcess(model_dir, log_path=tmp_path / "log", extra_args=(*ROOM, "--shutdown-timeout", "60"))
