@@ -4,8 +4,9 @@ The engine packs every sequence of a rank into one row, so the model sees one "s
 queries and K cached keys with a block-causal mask. Plain SDPA over that row costs T x K: with
 S sequences decoding, S queries each score all K keys of all S sequences, only to mask most
 of them away, and that grows with the square of the batch. ``hsdp_packed`` regroups the row
-per sequence instead (S x max queries x max keys of one sequence), runs one batched SDPA, and
-puts the outputs back in row order. Same result, a fraction of the work.
+per sequence instead (S x max queries x max keys of one sequence, decoding and prefilling
+sequences apart), computes each group with two batched matmuls, and puts the outputs back in
+row order. Same result, a fraction of the work.
 
 The engine passes the layout as the ``hsdp_packed`` keyword of the model's forward; models
 whose attention layers do not forward keyword arguments to the attention function never see

@@ -100,17 +100,29 @@ def set_resident_units(model: nn.Module, count: int) -> Residency:
 
 def _gathered_extra_bytes(unit: FSDPModule) -> int:
     """Bytes the unit's own sharded parameters take once gathered, beyond the local shards."""
-    group = unit._get_fsdp_state()._fsdp_param_group
-    if group is None:  # a unit whose parameters are all ignored
-        return 0
-    total = 0
+    gathered, local = unit_gathered_bytes(unit)
+    return gathered - local
+
+
+def unit_param_group(unit: FSDPModule):
+    """FSDP2's parameter group of ``unit`` (None for a unit whose parameters are all ignored)."""
+    return unit._get_fsdp_state()._fsdp_param_group
+
+
+def unit_gathered_bytes(unit: FSDPModule) -> tuple[int, int]:
+    """(gathered, local) bytes of the unit's own sharded parameters, in the dtype they are
+    gathered in: mixed precision's param_dtype, else the parameter's own (the attributes FSDP2
+    sets at its lazy init may not exist yet)."""
+    group = unit_param_group(unit)
+    if group is None:
+        return 0, 0
+    gathered = local = 0
     for fsdp_param in group.fsdp_params:
-        # the gathered dtype: mixed precision's param_dtype, else the parameter's own (the
-        # attributes FSDP2 sets at its lazy init may not exist yet)
         dtype = group.mp_policy.param_dtype or fsdp_param.sharded_param.dtype
         itemsize = torch.empty((), dtype=dtype).element_size()
-        total += (fsdp_param._orig_size.numel() - fsdp_param.sharded_size.numel()) * itemsize
-    return total
+        gathered += fsdp_param._orig_size.numel() * itemsize
+        local += fsdp_param.sharded_size.numel() * itemsize
+    return gathered, local
 
 
 def _param_device(model: nn.Module) -> torch.device:

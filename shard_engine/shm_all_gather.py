@@ -30,8 +30,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGather
+
+from shard_engine.overlap import fsdp_units, unit_gathered_bytes, unit_param_group
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,6 @@ class SharedMemoryPool:
         self._buffers: list[torch.Tensor | None] = [None] * slots
         self._generation = [0] * slots
         self.calls = 0
-        self.bytes = 0  # mapped now, per host
         atexit.register(self.close)  # a process that never closes it still removes its files
 
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -64,7 +64,6 @@ class SharedMemoryPool:
                 os.ftruncate(fd, size)  # every rank sets the same size: order does not matter
             finally:
                 os.close(fd)
-            self.bytes += size - (current.numel() if current is not None else 0)
             self._buffers[slot] = current = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         return current[:nbytes].view(dtype)
 
@@ -104,16 +103,17 @@ def enable_shared_memory_all_gather(model: nn.Module, *, slots: int = 5, run_id:
 
     Collective over the default group: every rank must call it, in the same place.
     """
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    groups = {id(g): g for g in (_shard_group(u) for u in units) if g is not None}
+    units = fsdp_units(model)
+    shard_groups = [g.mesh_info.shard_process_group for g in map(unit_param_group, units) if g is not None]
+    groups = {id(g): g for g in shard_groups}
     param = next(model.parameters(), None)
     reason = None
     if not units or len(groups) != 1:
         reason = "the model has no single FSDP shard group"
     elif param is None or param.device.type != "cpu":
         reason = "the parameters are not on the CPU"
-    (group,) = groups.values() if len(groups) == 1 else (None,)
-    largest = max((_gathered_bytes(u) for u in units), default=0)
+    group = next(iter(groups.values())) if len(groups) == 1 else None
+    largest = max((unit_gathered_bytes(u)[0] for u in units), default=0)
     need = min_free_bytes if min_free_bytes is not None else 2 * slots * largest
     token = [run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex]
     dist.broadcast_object_list(token, src=0)  # one name for the whole run
@@ -177,15 +177,3 @@ def _probe(directory: str, group: dist.ProcessGroup, ranks: list[int], need_byte
             problem = f"rank {me} does not see {path}: another host or another /dev/shm"
     dist.barrier(group=group)
     return problem
-
-
-def _shard_group(unit: FSDPModule):
-    group = unit._get_fsdp_state()._fsdp_param_group
-    return None if group is None else group.mesh_info.shard_process_group
-
-
-def _gathered_bytes(unit: FSDPModule) -> int:
-    group = unit._get_fsdp_state()._fsdp_param_group
-    if group is None:
-        return 0
-    return sum(p._orig_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params)
