@@ -99,6 +99,8 @@ def resolve_nproc_per_node(nproc_per_node: int | None, device_type: str) -> int:
     if device_type == "cuda":
         visible = torch.cuda.device_count()
         if nproc_per_node is None:
+            if visible < 1:
+                raise ValueError("--nproc-per-node auto: no GPU visible")
             return visible
         if nproc_per_node > visible:
             raise ValueError(f"--nproc-per-node {nproc_per_node} > {visible} visible GPU(s)")

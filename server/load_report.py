@@ -196,8 +196,6 @@ def build_config(args: argparse.Namespace) -> tuple[LoadReportConfig, int]:
     """Map the flags onto a config and the ranks per node; ValueError names the flag at fault."""
     device = resolve_device_type(args.device)
     nproc_per_node = resolve_nproc_per_node(args.nproc_per_node, device)
-    if nproc_per_node < 1:
-        raise ValueError("--nproc-per-node auto: no GPU visible")
     world_size = resolve_world_size(nproc_per_node)
     hsdp = HSDPInferenceConfig(replicate_size=args.replicate_size, shard_size=args.shard_size)
     try:

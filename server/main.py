@@ -204,8 +204,6 @@ def _check_before_launch(cfg: ServeConfig) -> None:
         raise ValueError(f"--model {cfg.model}: not readable")
     cfg.nproc_per_node = resolve_nproc_per_node(cfg.nproc_per_node, resolve_device_type(cfg.device))
     if not is_under_torchrun():
-        if cfg.nproc_per_node < 1:
-            raise ValueError("--nproc-per-node auto: no GPU visible")
         HSDPInferenceConfig(replicate_size=cfg.replicate_size, shard_size=cfg.shard_size).resolve_mesh_shape(
             cfg.nproc_per_node
         )
