@@ -21,7 +21,7 @@ def bench_checkpoint(out_dir: str = DEFAULT_DIR) -> str:
         return out_dir
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from server.demo import train_byte_bpe_tokenizer
+    from loaders.sources.demo import train_byte_bpe_tokenizer
 
     print(f"[bench] generating {out_dir}", file=sys.stderr, flush=True)
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -39,6 +39,20 @@ def bench_checkpoint(out_dir: str = DEFAULT_DIR) -> str:
     tok.save_pretrained(out_dir)
     open(marker, "w").close()
     return out_dir
+
+
+def compute_dtype(requested: str = "auto") -> str:
+    """The dtype a CPU benchmark computes in: the bench checkpoint's bf16 where this CPU has native
+    bf16 arithmetic, else float32 (what the server's --dtype auto does); ``requested`` overrides.
+    Every figure is printed with it."""
+    if requested != "auto":
+        return requested
+    from loaders.dtypes import auto_dtype
+
+    dtype, why = auto_dtype(torch.bfloat16, "cpu")
+    if why:
+        print(f"[bench] {why}", file=sys.stderr, flush=True)
+    return str(dtype).removeprefix("torch.")
 
 
 def parameter_count(model_dir: str) -> int:

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from loaders.errors import CheckpointError, CorruptFileError, MissingConfigError
+from loaders.errors import CheckpointError, CorruptFileError, MissingConfigError, MissingTokenizerError
 from loaders.safetensors_io import TensorInfo, read_header
 
+GENERATION_CONFIG_FILE = "generation_config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -94,3 +95,33 @@ def list_checkpoint_files(model_dir: str) -> CheckpointFiles:
 
 def has_tokenizer(model_dir: str) -> bool:
     return any(os.path.isfile(os.path.join(model_dir, n)) for n in TOKENIZER_FILES)
+
+
+def load_tokenizer(model_dir: str, *, required: bool = False):
+    """The checkpoint's tokenizer, or None without tokenizer files (an error when ``required``)."""
+    if not has_tokenizer(model_dir):
+        if required:
+            raise MissingTokenizerError(
+                f"no tokenizer files (one of {', '.join(TOKENIZER_FILES)}): a tokenizer is needed to serve text",
+                path=model_dir,
+            )
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise MissingTokenizerError(f"cannot load the tokenizer: {e}", path=model_dir) from e
+
+
+def load_generation_config(model_dir: str):
+    """The checkpoint's ``generation_config.json`` (transformers' GenerationConfig), or None without one."""
+    path = os.path.join(model_dir, GENERATION_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"cannot read the generation config: {e}", path=path) from e

@@ -28,6 +28,10 @@ class MissingConfigError(CheckpointError):
     """The model directory has no readable ``config.json``."""
 
 
+class MissingTokenizerError(CheckpointError):
+    """The checkpoint has no tokenizer files, or they cannot be read, and one is needed."""
+
+
 class CorruptFileError(CheckpointError):
     """A safetensors file is truncated, has a malformed header, or is missing."""
 

@@ -20,7 +20,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from loaders.checkpoint import has_tokenizer, list_checkpoint_files, load_config
+from loaders.checkpoint import list_checkpoint_files, load_config, load_generation_config, load_tokenizer
+from loaders.dtypes import auto_dtype
 from loaders.errors import (
     CheckpointError,
     DTypeMismatchError,
@@ -76,14 +77,24 @@ def shard_rows(num_rows: int, shard_size: int, shard_rank: int) -> tuple[int, in
     return start, min(start + chunk, num_rows)
 
 
-def _resolve_dtype(dtype, config, files) -> tuple[torch.dtype, bool]:
-    """The skeleton's dtype, and whether checkpoint tensors may be cast to it."""
+def _resolve_dtype(dtype, config, files, device: torch.device) -> tuple[torch.dtype, bool]:
+    """The skeleton's dtype, and whether checkpoint tensors may be cast to it.
+
+    None keeps the checkpoint's dtype exactly; ``"auto"`` keeps it too unless ``device`` has no
+    native arithmetic for it (bf16 or fp16 on most CPUs: :func:`loaders.dtypes.auto_dtype`).
+    """
     if dtype is not None and dtype != "auto":
         return (getattr(torch, dtype) if isinstance(dtype, str) else dtype), True
     configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(configured, str):
         configured = getattr(torch, configured, None)
-    return configured or files.dominant_dtype() or torch.float32, False
+    stored = configured or files.dominant_dtype() or torch.float32
+    if dtype is None:
+        return stored, False
+    runnable, why = auto_dtype(stored, device)
+    if why is not None and _is_rank_zero():
+        logger.warning("%s", why)
+    return runnable, runnable != stored
 
 
 def _agree(error: BaseException | None, stage: str) -> None:
@@ -310,14 +321,20 @@ def load_hsdp_model(
     model_class=None,
     read_mode: str = "sliced",
     progress: Callable[[int, int], None] | None = None,
+    require_tokenizer: bool = False,
 ) -> LoadedModel:
     """Load a local safetensors checkpoint straight into an HSDP-sharded model.
 
     Every rank calls this with the same arguments. ``dtype=None`` keeps the checkpoint's dtype
-    (a tensor of another dtype is an error); a ``dtype`` casts floating tensors to it.
+    (a tensor of another dtype is an error); ``"auto"`` keeps it where the device computes in it
+    natively and loads float32 elsewhere; a ``dtype`` casts floating tensors to it.
     ``read_mode="sliced"`` reads only this rank's rows of each sharded tensor; ``"full"``
     reads whole tensors and lets ``fully_shard`` chunk them. ``progress(done, total)`` is called
     with checkpoint bytes processed as each tensor arrives.
+
+    Everything cheap is checked on every rank before any weight is read: the config, the index
+    and every file's header, the tokenizer and generation config (``require_tokenizer``: a
+    checkpoint without tokenizer files is a :class:`MissingTokenizerError`), and the mesh.
     """
     if read_mode not in READ_MODES:
         raise ValueError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
@@ -339,9 +356,13 @@ def load_hsdp_model(
             config = load_config(model_dir)
             files = list_checkpoint_files(model_dir)
             stats.checkpoint_bytes = files.total_bytes
-            skeleton_dtype, may_cast = _resolve_dtype(dtype, config, files)
+            skeleton_dtype, may_cast = _resolve_dtype(dtype, config, files, device)
+            tokenizer = load_tokenizer(model_dir, required=require_tokenizer)
+            generation_config = load_generation_config(model_dir)
         with stats.phase("skeleton"):
             model = build_skeleton(config, model_class, skeleton_dtype)
+            if generation_config is not None and hasattr(model, "generation_config"):
+                model.generation_config = generation_config
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, see _agree
         error = e
     _agree(error, "preflight")
@@ -355,8 +376,6 @@ def load_hsdp_model(
                 model, context, files, read_mode=read_mode, may_cast=may_cast, stats=stats, progress=progress
             )
             load.run()
-        tokenizer = _load_tokenizer(model_dir)
-        _load_generation_config(model, model_dir)
     except Exception as e:  # noqa: BLE001
         error = e
     _agree(error, "streaming")
@@ -373,22 +392,3 @@ def load_hsdp_model(
             stats.units_sharded,
         )
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, stats=stats, context=context)
-
-
-def _load_tokenizer(model_dir: str):
-    if not has_tokenizer(model_dir):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot load the tokenizer: {e}", path=model_dir) from e
-
-
-def _load_generation_config(model: nn.Module, model_dir: str) -> None:
-    if not os.path.isfile(os.path.join(model_dir, "generation_config.json")) or not hasattr(model, "generation_config"):
-        return
-    from transformers import GenerationConfig
-
-    model.generation_config = GenerationConfig.from_pretrained(model_dir, local_files_only=True)

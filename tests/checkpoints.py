@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from server.demo import train_byte_bpe_tokenizer
+from loaders.sources.demo import train_byte_bpe_tokenizer
 
 PROMPTS = [
     "The quick brown fox",

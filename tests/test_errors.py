@@ -166,3 +166,41 @@ def test_config_validation():
         HSDPInferenceConfig(param_dtype=torch.int8)
     with pytest.raises(TypeError):
         HSDPInferenceConfig(2, 4)  # kw_only
+
+
+def _load_counting_reads(rank, world_size, dirs):
+    """Each case's error class and message, and how many tensor reads happened before it."""
+    import loaders.streaming
+    from loaders import CheckpointError, load_hsdp_model
+    from shard_engine import HSDPInferenceConfig
+
+    reads = []
+    original = loaders.streaming.read_rows
+    loaders.streaming.read_rows = lambda *a, **k: reads.append(a) or original(*a, **k)
+    outcomes = {}
+    for case, path in dirs.items():
+        reads.clear()
+        try:
+            load_hsdp_model(path, HSDPInferenceConfig(), require_tokenizer=True)
+            outcomes[case] = ("ok", "", len(reads))
+        except CheckpointError as e:
+            outcomes[case] = (type(e).__name__, str(e), len(reads))
+    return outcomes
+
+
+def test_tokenizer_and_generation_config_are_checked_before_any_weight_is_read(tmp_path, checkpoints):
+    good = checkpoints["llama"]
+    no_tokenizer = _copy(good, tmp_path / "no_tokenizer")
+    for name in os.listdir(no_tokenizer):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            os.remove(os.path.join(no_tokenizer, name))
+    bad_generation = _copy(good, tmp_path / "bad_generation")
+    with open(os.path.join(bad_generation, "generation_config.json"), "w") as f:
+        f.write("{not json")
+    dirs = {"no_tokenizer": no_tokenizer, "bad_generation": bad_generation, "good": good}
+    for outcomes in values(run_ranks(_load_counting_reads, 2, tmp_path, dirs, timeout=180)):
+        cls, message, reads = outcomes["no_tokenizer"]
+        assert cls == "MissingTokenizerError" and "tokenizer.json" in message and reads == 0, outcomes
+        cls, message, reads = outcomes["bad_generation"]
+        assert cls == "CheckpointError" and "generation_config.json" in message and reads == 0, outcomes
+        assert outcomes["good"][0] == "ok" and outcomes["good"][2] > 0

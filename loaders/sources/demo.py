@@ -1,7 +1,9 @@
-"""The embedded demo checkpoint: a small Llama with random weights and a locally trained tokenizer.
+"""The random-weight demo checkpoint: a small Llama and a locally trained tokenizer.
 
 Nothing is downloaded. The weights are random, so the demo's text is random too: it exercises
-the whole serving path, not a language model.
+the whole serving path, not a language model. It is served only where the real default
+(:mod:`loaders.sources.default_model`) cannot be fetched; tests use its pieces to build
+checkpoints of the architectures they need.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ The quick brown fox jumps over the lazy dog. 0123456789 +-*/=()[]{}<>.,;:!?'"
 Once upon a time there was a server that never hung and never lost a request silently.
 """
 DEMO_VERSION = 1
+DEMO_NAME = f"demo-llama-v{DEMO_VERSION}"
 
 
 def train_byte_bpe_tokenizer(vocab_size: int = 384, corpus: str = _CORPUS, *, all_bytes: bool = True):
@@ -102,10 +105,9 @@ def create_demo_checkpoint(path: str, *, dtype: torch.dtype = torch.float32, see
 
 def ensure_demo_checkpoint(cache_dir: str | None = None) -> str:
     """The demo checkpoint's directory, created once under the user's cache directory."""
-    base = cache_dir or os.environ.get("HSDP_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hsdp-serve"
-    )
-    path = os.path.join(base, f"demo-llama-v{DEMO_VERSION}")
+    from loaders.sources.default_model import cache_root
+
+    path = os.path.join(cache_root(cache_dir), DEMO_NAME)
     if not os.path.isfile(os.path.join(path, "hsdp_demo.json")):
         logger.info("creating the demo checkpoint (random weights) in %s", path)
         create_demo_checkpoint(path)
