@@ -8,6 +8,13 @@ does the work and calls :func:`init_rank` itself.
 
 A failed rank ends the whole group (``max_restarts=0``) and surfaces as one :class:`GroupError`
 whose text is one line; the traceback is logged at ``--log-level debug``.
+
+Signals: only the launcher decides when the group stops. Spawned ranks run in process groups
+of their own (and die with the launcher), so a terminal's Ctrl-C, which reaches the whole
+foreground process group, reaches the launcher alone; the launcher passes SIGINT/SIGTERM on
+once, and a second one kills the ranks. Started by another program in the terminal's
+foreground (``make serve``), the launcher takes the foreground for itself, so that Ctrl-C
+drains the group instead of interrupting ``make``. Every process names itself in ``ps``.
 """
 
 from __future__ import annotations
@@ -198,13 +205,29 @@ def close_rank() -> None:
     time.sleep(_THREAD_DRAIN_S)
 
 
-def _run_rank(entrypoint: Callable[..., Any], args: tuple, log_level: str | None) -> Any:
+def set_process_title(title: str) -> None:
+    """What ``ps`` shows for this process (where setproctitle is installed)."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(title)
+
+
+def _run_rank(entrypoint: Callable[..., Any], args: tuple, log_level: str | None, title: str | None = None,
+              detach: bool = False) -> Any:
     """Body of every rank: logging first, then the entrypoint; the group is closed on success.
 
     On failure the group is left to process exit: destroying it while peers may still sit in
-    a collective can block, and the launcher stops those peers anyway.
+    a collective can block, and the launcher stops those peers anyway. ``detach``: a spawned
+    rank leaves the launcher's process group and dies with the launcher (see the module).
     """
-    configure_logging(log_level, rank=int(os.environ.get("RANK", 0)))
+    rank = int(os.environ.get("RANK", 0))
+    if detach:
+        _detach_from_launcher()
+    if title:
+        set_process_title(f"{title} rank {rank}/{os.environ.get('WORLD_SIZE', '?')}")
+    configure_logging(log_level, rank=rank)
     try:
         result = entrypoint(*args)
     except BaseException:
@@ -212,6 +235,57 @@ def _run_rank(entrypoint: Callable[..., Any], args: tuple, log_level: str | None
         raise
     close_rank()
     return result
+
+
+def _detach_from_launcher() -> None:
+    """This rank's own process group, and SIGKILL when the launcher dies (Linux)."""
+    launcher = os.getppid()
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != launcher:  # the launcher died before the request took effect
+            os._exit(1)
+
+
+@contextlib.contextmanager
+def _terminal_foreground() -> Iterator[None]:
+    """Make this process's own group the terminal's foreground while the group runs.
+
+    Only when this process is in the foreground group of its controlling terminal without
+    leading it (another program, ``make`` say, started it): Ctrl-C then reaches this group
+    alone, which drains, instead of also interrupting the program that waits for it (make
+    would exit 130 whatever the server did). The foreground is handed back at the end.
+    """
+    try:
+        tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+    except OSError:  # no controlling terminal
+        yield
+        return
+    try:
+        previous = os.tcgetpgrp(tty)
+        if previous != os.getpgrp() or os.getpgrp() == os.getpid():
+            yield
+            return
+        old_ttou = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may not set it otherwise
+        try:
+            os.setpgid(0, 0)
+            os.tcsetpgrp(tty, os.getpgrp())
+        finally:
+            signal.signal(signal.SIGTTOU, old_ttou)
+        try:
+            yield
+        finally:
+            old_ttou = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+            try:
+                with contextlib.suppress(OSError):
+                    os.tcsetpgrp(tty, previous)
+            finally:
+                signal.signal(signal.SIGTTOU, old_ttou)
+    finally:
+        os.close(tty)
 
 
 def launch_group(
@@ -222,6 +296,7 @@ def launch_group(
     log_level: str | None = None,
     rdzv_timeout_s: int = 300,
     shutdown_timeout_s: int = 15,
+    title: str | None = None,
 ) -> Any:
     """Run ``entrypoint(*args)`` on every rank of the group and return rank 0's return value.
 
@@ -229,7 +304,8 @@ def launch_group(
     to decide) and its own return value is returned, whatever the rank. Otherwise
     ``nproc_per_node`` ranks are spawned on this node; ``entrypoint`` must be picklable (a
     module-level function). Raises :class:`GroupError` if any rank fails; the other ranks are
-    stopped, with SIGKILL after ``shutdown_timeout_s``.
+    stopped, with SIGKILL after ``shutdown_timeout_s``. ``title`` names the processes in ``ps``:
+    ``TITLE launcher (N ranks)`` and ``TITLE rank R/W``.
     """
     if is_under_torchrun():
         rank = int(os.environ["RANK"])
@@ -242,15 +318,18 @@ def launch_group(
                 nproc_per_node,
             )
         try:
-            return _run_rank(entrypoint, args, log_level)
+            return _run_rank(entrypoint, args, log_level, title)
         except Exception as e:
             raise GroupError(_describe_exception(e), rank=rank) from e
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node must be >= 1, got {nproc_per_node}")
-    return _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, shutdown_timeout_s)
+    if title:
+        set_process_title(f"{title} launcher ({nproc_per_node} ranks)")
+    with _terminal_foreground():
+        return _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, shutdown_timeout_s, title)
 
 
-def _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, shutdown_timeout_s) -> Any:
+def _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, shutdown_timeout_s, title) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -278,7 +357,7 @@ def _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, s
         logger.debug("launching %d rank(s), run id %s", nproc_per_node, config.run_id)
         with _passing_stop_signals_to_ranks(shutdown_timeout_s) as received:
             try:
-                results = elastic_launch(config, _run_rank)(entrypoint, args, log_level)
+                results = elastic_launch(config, _run_rank)(entrypoint, args, log_level, title, True)
             except ChildFailedError as e:
                 error = _summarize_failures(e.failures)
                 if received:

@@ -32,11 +32,14 @@ class ServerProcess:
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
         if argv is None:
-            argv = [sys.executable, "-m", "server", "--model", str(model_dir), "--nproc-per-node", str(nproc),
+            model = ["--model", str(model_dir)] if model_dir is not None else []  # None: the default model
+            argv = [sys.executable, "-m", "server", *model, "--nproc-per-node", str(nproc),
                     "--device", "cpu", "--port", str(self.port), *extra_args]
         self.proc = subprocess.Popen(
             argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: teardown reaches every rank
+            # a session of its own: session_pids finds every process it started (the ranks run in
+            # process groups of their own, and die with the launcher)
+            start_new_session=True,
         )
         self.client = httpx.Client(base_url=self.url, timeout=60)
 
