@@ -1,86 +1,124 @@
-"""The server's configuration, and the command line that maps onto it."""
+"""The server's configuration: one declaration per option, and the two ways to set it.
+
+:class:`ServeConfig` is the declaration. Each field carries its flag, help and group in an
+:class:`Option`; from it come the command line (``--max-total-tokens``), the environment
+variable (``HSDP_MAX_TOTAL_TOKENS``, the flag in upper case with ``HSDP_`` in front) and the
+documentation. A flag given on the command line beats the variable, which beats the default;
+an empty variable counts as unset. ``docker/entrypoint.sh`` passes nothing on: the server reads
+its own variables, so a key set as ``HSDP_API_KEY`` never appears on a command line.
+:data:`ENVIRONMENT` declares the variables that are not options; any other ``HSDP_*`` name is
+warned about, since a misspelt variable would otherwise be ignored without a word.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
 
+from loaders import READ_MODES
 from server.launch import DEVICE_TYPES, LOG_LEVELS, int_or_keyword, parse_nproc_per_node
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALL_GATHERS = ("auto", "shm", "group")
 MIN_STEP_TIMEOUT_S = 2.0
+ENV_PREFIX = "HSDP_"
+GROUPS = ("model", "group", "http", "admission", "timeouts", "speed")
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one ServeConfig field is set and documented."""
+
+    help: str
+    group: str
+    flag: str | None = None  # default: the field's name, dashed
+    type: Callable[[str], object] | None = None
+    choices: tuple | None = None
+    metavar: str | None = None
+    secret: bool = False  # never shown: not in --help defaults, not in logs
+
+
+def option(default, help: str, group: str, **kwargs):
+    return field(default=default, metadata={"option": Option(help, group, **kwargs)})
+
+
+def flag_of(f) -> str:
+    return f.metadata["option"].flag or "--" + f.name.replace("_", "-")
+
+
+def env_of(f) -> str:
+    return ENV_PREFIX + flag_of(f).removeprefix("--").replace("-", "_").upper()
 
 
 @dataclass(kw_only=True)
 class ServeConfig:
-    model: str | None = None
-    """Checkpoint directory; None serves the embedded demo checkpoint (random weights)."""
+    model: str | None = option(
+        None, "checkpoint: a local directory or a Hugging Face repo id (org/name); default: the embedded "
+        "SmolLM2-135M-Instruct (the random-weight demo where that cannot be fetched)", "model",
+        metavar="DIR|ORG/NAME")
+    revision: str | None = option(None, "branch, tag or commit of a Hub repo id (default: main)", "model")
+    served_model_name: str | None = option(
+        None, "the name OpenAI clients give as `model` (default: the repo id, or the directory's name)", "model",
+        metavar="NAME")
+    dtype: str = option("auto", "weights' dtype; auto keeps the checkpoint's, but loads bf16/fp16 as float32 on "
+                        "a CPU without native support for them", "model", choices=DTYPES)
+    read_mode: str = option("sliced", "sliced: each rank reads only its own rows; full: whole tensors", "model",
+                            choices=READ_MODES)
 
-    nproc_per_node: int | None = None
-    """Ranks started on this node; None (``auto``): one per visible GPU on cuda, 2 on cpu.
-    Ignored under torchrun, which decides."""
+    nproc_per_node: int | None = option(
+        None, "ranks on this node: a number, or auto (one per visible GPU on cuda, 2 on cpu); torchrun decides "
+        "under torchrun", "group", type=parse_nproc_per_node, metavar="N|auto")
+    replicate_size: int = option(1, "replicas of the model; the mesh is replicate x shard", "group", type=int)
+    shard_size: int = option(-1, "ranks per replica; -1: world size / replicate size", "group", type=int)
+    device: str | None = option(None, "cpu (gloo) or cuda (NCCL, one GPU per rank); default: cuda when available",
+                                "group", choices=DEVICE_TYPES)
 
-    replicate_size: int = 1
-    shard_size: int = -1
-    device: str | None = None
-    """cpu or cuda; None picks cuda when available."""
+    host: str = option("127.0.0.1", "address to listen on", "http")
+    port: int = option(8000, "port to listen on", "http", type=int)
+    log_level: str | None = option(None, "every process's level (default: rank 0 info, the others warning)",
+                                   "http", choices=LOG_LEVELS)
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every endpoint but /health, /ready "
+                                 "and /metrics; prefer the variable or a file to the flag", "http",
+                                 metavar="KEY", secret=True)
+    api_key_file: str | None = option(None, "read the API key from this file (a Docker or Kubernetes secret); "
+                                      "wins over the key", "http", metavar="PATH")
+    max_body_bytes: int = option(1024 * 1024, "largest request body; larger ones get 413", "http", type=int)
 
-    dtype: str = "auto"
-    """Weights' dtype: auto keeps the checkpoint's."""
+    max_concurrent_requests: int = option(128, "sequences decoding at once over the whole group; more wait",
+                                          "admission", type=int)
+    max_queued_requests: int = option(256, "requests waiting beyond the running ones; more get 429", "admission",
+                                      type=int)
+    max_input_tokens: int | None = option(None, "longest prompt (default: max total tokens - 1)", "admission",
+                                          type=int)
+    max_total_tokens: int | None = option(None, "prompt plus new tokens (default: the model's positions, at most "
+                                          "4096)", "admission", type=int)
 
-    read_mode: str = "sliced"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    log_level: str | None = None
+    step_timeout_s: float = option(300.0, "a step (one forward on every rank, the control channel included) "
+                                   f"longer than this dumps stacks and stops the group; at least {MIN_STEP_TIMEOUT_S:g}",
+                                   "timeouts", flag="--step-timeout", type=float, metavar="S")
+    shutdown_timeout_s: float = option(30.0, "on SIGTERM or Ctrl-C, how long in-flight requests may take to finish",
+                                       "timeouts", flag="--shutdown-timeout", type=float, metavar="S")
+    collective_timeout_s: float = option(600.0, "bound on any single collective", "timeouts",
+                                         flag="--collective-timeout", type=float, metavar="S")
 
-    max_concurrent_requests: int = 128
-    """Sequences decoding at once over the whole group; more wait in the queue."""
-
-    max_queued_requests: int = 256
-    """Requests waiting for admission beyond the running ones; more get 429."""
-
-    max_input_tokens: int | None = None
-    """Longest prompt; default max_total_tokens - 1."""
-
-    max_total_tokens: int | None = None
-    """Prompt plus new tokens; default the model's maximum positions (at most 4096)."""
-
-    collective_timeout_s: float = 600.0
-    """Bound on any single collective (a forward's all-gathers, a control step)."""
-
-    shutdown_timeout_s: float = 30.0
-    """On SIGTERM, how long in-flight requests may take to finish before they are cut short."""
-
-    step_timeout_s: float = 300.0
-    """A step (one forward on every rank) longer than this dumps stacks and stops the group."""
-
-    api_key: str | None = None
-    """Require ``Authorization: Bearer <key>`` on every endpoint but the probes and /metrics."""
-
-    max_body_bytes: int = 1024 * 1024
-    """Largest request body accepted; larger ones get 413."""
-
-    prefetch_depth: int = 2
-    """Units whose all-gathers each unit's forward starts ahead (overlap with compute); 0: none."""
-
-    all_gather: str = "auto"
-    """How units gather their parameters: shm (shared memory, CPU ranks of one host), group
-    (the process group's all-gather: gloo or NCCL), or auto (shm where it works, unless every
-    unit is resident)."""
-
-    resident_units: int = 0
-    """Units, in forward order, that keep their gathered parameters after the first gather
-    (memory for speed); -1: all of them."""
+    prefetch_depth: int = option(2, "units whose all-gathers each unit's forward starts ahead; 0: none", "speed",
+                                 type=int, metavar="N")
+    all_gather: str = option("auto", "shm: through shared memory (CPU ranks of one host); group: the process "
+                             "group's (gloo, NCCL); auto: shm where every rank maps the same /dev/shm", "speed",
+                             choices=ALL_GATHERS)
+    resident_units: int = option(0, "units (in forward order) that keep their gathered parameters: speed for "
+                                 "memory; all: every unit", "speed", type=int_or_keyword("all", -1, 0), metavar="K|all")
 
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
-        if self.device is not None and self.device not in DEVICE_TYPES:
-            raise ValueError(f"--device must be one of {DEVICE_TYPES}, got {self.device!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name, allowed in (("device", DEVICE_TYPES), ("dtype", DTYPES), ("read_mode", READ_MODES),
+                              ("all_gather", ALL_GATHERS), ("log_level", LOG_LEVELS)):
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {allowed}, got {value!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         for name in ("max_concurrent_requests", "max_input_tokens", "max_total_tokens"):
@@ -96,14 +134,14 @@ class ServeConfig:
             raise ValueError(f"--step-timeout must be >= {MIN_STEP_TIMEOUT_S:g} s, got {self.step_timeout_s:g}")
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
-        if self.all_gather not in ALL_GATHERS:
-            raise ValueError(f"--all-gather must be one of {ALL_GATHERS}, got {self.all_gather!r}")
         if self.prefetch_depth < 0:
             raise ValueError(f"--prefetch-depth must be >= 0, got {self.prefetch_depth}")
         if self.resident_units < -1:
             raise ValueError(f"--resident-units must be >= 0 or 'all', got {self.resident_units}")
         if self.collective_timeout_s <= 0:
             raise ValueError("--collective-timeout must be positive")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("--served-model-name must not be empty")
 
     @property
     def torch_dtype(self):
@@ -112,47 +150,108 @@ class ServeConfig:
         return None if self.dtype == "auto" else getattr(torch, self.dtype)
 
 
+OPTIONS = [f for f in fields(ServeConfig) if "option" in f.metadata]
+
+ENVIRONMENT = {
+    "HSDP_CACHE_DIR": "where the default and demo checkpoints are written (default ~/.cache/hsdp-serve)",
+    "HSDP_PROBE_HOST": "host the health probe (python -m server.probe) dials (default 127.0.0.1)",
+    "HSDP_INJECT_FORWARD_FAULT": "fault drills only: RANK:N raises inside forward N on that rank",
+    "HSDP_DRY_RUN": "docker/entrypoint.sh: print the command it would run, and exit",
+    "HSDP_NNODES": "docker/entrypoint.sh: nodes in the group; above 1 it starts torchrun",
+    "HSDP_NODE_RANK": "docker/entrypoint.sh: this node's rank (0 serves HTTP)",
+    "HSDP_MASTER_ADDR": "docker/entrypoint.sh: node rank 0's address",
+    "HSDP_MASTER_PORT": "docker/entrypoint.sh: the rendezvous port (default 29500)",
+}
+"""Variables read by the server, its probe or its entrypoint that are not options."""
+
+
+def show_default(f) -> str | None:
+    """The default as a user would type it, or None where there is none to show."""
+    if f.default is MISSING or f.default is None or f.metadata["option"].secret:
+        return None
+    if f.name == "resident_units" and f.default == -1:
+        return "all"
+    return f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hsdp-serve",
-        description="Serve a Hugging Face causal LM sharded over a group of ranks with FSDP2 (HSDP).",
+        description="Serve a Hugging Face causal LM sharded over a group of ranks with FSDP2 (HSDP). Every flag "
+                    f"can also be set as a variable: --max-total-tokens as {ENV_PREFIX}MAX_TOTAL_TOKENS.",
     )
-    p.add_argument("--model", help="checkpoint directory (default: the embedded random-weight demo)")
-    p.add_argument("--nproc-per-node", type=parse_nproc_per_node, default=None, metavar="N|auto",
-                   help="ranks on this node (default auto: one per visible GPU on cuda, 2 on cpu)")
-    p.add_argument("--replicate-size", type=int, default=1)
-    p.add_argument("--shard-size", type=int, default=-1, help="-1: world size // replicate size")
-    p.add_argument("--device", choices=DEVICE_TYPES, help="default: cuda when available, else cpu")
-    p.add_argument("--dtype", choices=DTYPES, default="auto")
-    p.add_argument("--read-mode", choices=("sliced", "full"), default="sliced")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-level", choices=LOG_LEVELS)
-    p.add_argument("--max-concurrent-requests", type=int, default=128)
-    p.add_argument("--max-queued-requests", type=int, default=256)
-    p.add_argument("--max-input-tokens", type=int)
-    p.add_argument("--max-total-tokens", type=int)
-    p.add_argument("--collective-timeout", dest="collective_timeout_s", type=float, default=600.0)
-    p.add_argument("--step-timeout", dest="step_timeout_s", type=float, default=300.0)
-    p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=30.0)
-    p.add_argument("--api-key", default=os.environ.get("HSDP_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' (default: $HSDP_API_KEY; none: no check)")
-    p.add_argument("--max-body-bytes", type=int, default=1024 * 1024)
-    p.add_argument("--prefetch-depth", type=int, default=2, metavar="N",
-                   help="all-gathers each unit starts ahead, overlapping compute (default 2; 0: none)")
-    p.add_argument("--all-gather", choices=ALL_GATHERS, default="auto",
-                   help="shm: through shared memory (CPU ranks of one host); group: the process group's "
-                        "(gloo, NCCL); auto (default): shm where every rank maps the same /dev/shm")
-    p.add_argument("--resident-units", type=int_or_keyword("all", -1, 0), default=0, metavar="K|all",
-                   help="units (in forward order) that keep their gathered parameters: speed for memory "
-                        "(default 0)")
+    for f in OPTIONS:
+        o = f.metadata["option"]
+        shown = show_default(f)
+        p.add_argument(flag_of(f), dest=f.name, type=o.type, choices=o.choices, metavar=o.metavar,
+                       default=f.default, help=o.help + (f" (default: {shown})" if shown else ""))
     return p
 
 
-def parse_serve_config(argv: list[str] | None = None) -> ServeConfig:
+def _parse_env(f, text: str):
+    o = f.metadata["option"]
+    value = o.type(text) if o.type is not None else text
+    if o.choices is not None and value not in o.choices:
+        raise ValueError(f"must be one of {o.choices}")
+    return value
+
+
+def parse_serve_config(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> ServeConfig:
+    """Flags over ``HSDP_*`` variables over defaults; exits with a usage error naming the culprit."""
+    environ = os.environ if environ is None else environ
     parser = build_parser()
+    from_env = {}
+    for f in OPTIONS:
+        text = environ.get(env_of(f), "")
+        if text:
+            try:
+                from_env[f.name] = _parse_env(f, text)
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                shown = "***" if f.metadata["option"].secret else repr(text)
+                parser.error(f"{env_of(f)}={shown}: {e}")
+    parser.set_defaults(**from_env)
     args = parser.parse_args(argv)
     try:
+        if args.api_key_file:
+            args.api_key = read_key_file(args.api_key_file)
         return ServeConfig(**vars(args))
     except ValueError as e:
         parser.error(str(e))
+
+
+def read_key_file(path: str) -> str:
+    try:
+        with open(path) as f:
+            key = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"--api-key-file {path}: {e.strerror}") from None
+    if not key:
+        raise ValueError(f"--api-key-file {path}: empty")
+    return key
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``HSDP_*`` names in the environment that nothing reads."""
+    environ = os.environ if environ is None else environ
+    known = {env_of(f) for f in OPTIONS} | set(ENVIRONMENT)
+    return sorted(name for name in environ if name.startswith(ENV_PREFIX) and name not in known)
+
+
+def render_options_markdown() -> str:
+    """The README's table of options, generated from the declaration."""
+    rows = ["| flag | variable | default | what |", "|---|---|---|---|"]
+    for group in GROUPS:
+        for f in OPTIONS:
+            o = f.metadata["option"]
+            if o.group != group:
+                continue
+            spelled = flag_of(f) + (f" {o.metavar}" if o.metavar else "")
+            if o.choices:
+                spelled = flag_of(f) + " " + "|".join(o.choices)
+            spelled = spelled.replace("|", "\\|")  # inside a Markdown table
+            rows.append(f"| `{spelled}` | `{env_of(f)}` | {show_default(f) or ''} | {o.help} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(render_options_markdown())

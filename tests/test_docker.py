@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import shutil
+import site
 import subprocess
 import sys
 import textwrap
@@ -175,27 +176,102 @@ def test_cpu_profile_runs_the_same_image_on_cpu(compose):
     assert cpu["environment"]["HSDP_MODEL"] == ""  # the demo checkpoint by default
 
 
-def test_every_variable_is_documented_and_passed_through():
-    documented = env_example()
+def env_example_paragraphs() -> dict[str, str]:
+    """{variable: the paragraph of docker/.env.example that documents it}."""
+    out = {}
+    for paragraph in read(ENV_EXAMPLE).split("\n\n"):
+        for m in re.finditer(r"^#?([A-Z][A-Z0-9_]*)=", paragraph, re.M):
+            out[m.group(1)] = paragraph
+    return out
+
+
+def test_every_option_is_documented_and_passed_through():
+    """docker/.env.example and the compose file, checked against the one declaration of the options."""
+    from server.config import ENVIRONMENT, OPTIONS, env_of, flag_of
+
+    paragraphs = env_example_paragraphs()
     compose_text = read(COMPOSE)
-    assert compose_variables(compose_text) <= set(documented)
-    flag_vars = entrypoint_flag_vars()
-    assert set(flag_vars) <= set(documented)
+    for f in OPTIONS:
+        assert env_of(f) in paragraphs, f"{env_of(f)} is not in docker/.env.example"
+        assert f"[{flag_of(f)}]" in paragraphs[env_of(f)], f"{env_of(f)}'s paragraph does not name {flag_of(f)}"
+    hsdp_documented = {name for name in paragraphs if name.startswith("HSDP_")}
+    known = {env_of(f) for f in OPTIONS} | set(ENVIRONMENT) | compose_variables(compose_text)
+    assert hsdp_documented <= known, hsdp_documented - known  # nothing documented that nothing reads
+    assert compose_variables(compose_text) <= set(paragraphs)
     environment = yaml.safe_load(compose_text)["x-hsdp-environment"]
     set_by_services = {"HSDP_MODEL", "HSDP_DEVICE", "HSDP_HOST"}  # per service, or by the image
-    assert set(flag_vars) - set_by_services <= set(environment)
+    assert {env_of(f) for f in OPTIONS} - set_by_services <= set(environment)
     for paragraph in read(ENV_EXAMPLE).split("\n\n"):  # each variable in a paragraph with prose in it
         lines = paragraph.strip().splitlines()
         prose = [line for line in lines if line.startswith("# ")]
         assert prose or not lines, paragraph
 
 
-# --- docker/entrypoint.sh ---------------------------------------------------------------------------
+def test_readme_documents_every_option():
+    from server.config import OPTIONS, env_of, flag_of, render_options_markdown
+
+    readme = read(os.path.join(REPO, "README.md"))
+    assert render_options_markdown() in readme  # regenerate with `python -m server.config`
+    for f in OPTIONS:
+        assert flag_of(f) in readme and env_of(f) in readme
 
 
-def entrypoint_flag_vars() -> dict[str, str]:
-    block = read(ENTRYPOINT).split("FLAG_VARS=(", 1)[1].split(")", 1)[0]
-    return dict(item.split(":", 1) for item in block.split())
+# --- the server's variables and docker/entrypoint.sh ------------------------------------------------
+
+
+def test_every_variable_sets_its_flag_and_flags_win(tmp_path):
+    from server.config import parse_serve_config
+
+    values = {
+        "HSDP_MODEL": str(tmp_path), "HSDP_REVISION": "v1", "HSDP_SERVED_MODEL_NAME": "mine",
+        "HSDP_NPROC_PER_NODE": "4", "HSDP_REPLICATE_SIZE": "2",
+        "HSDP_SHARD_SIZE": "2", "HSDP_DEVICE": "cpu", "HSDP_DTYPE": "bfloat16", "HSDP_READ_MODE": "full",
+        "HSDP_HOST": "0.0.0.0", "HSDP_PORT": "9001", "HSDP_LOG_LEVEL": "debug",
+        "HSDP_MAX_CONCURRENT_REQUESTS": "7", "HSDP_MAX_QUEUED_REQUESTS": "8", "HSDP_MAX_INPUT_TOKENS": "100",
+        "HSDP_MAX_TOTAL_TOKENS": "200", "HSDP_MAX_BODY_BYTES": "4096", "HSDP_STEP_TIMEOUT": "11",
+        "HSDP_SHUTDOWN_TIMEOUT": "12", "HSDP_COLLECTIVE_TIMEOUT": "13", "HSDP_API_KEY": "s3cret",
+        "HSDP_PREFETCH_DEPTH": "3", "HSDP_RESIDENT_UNITS": "all", "HSDP_ALL_GATHER": "group",
+    }
+    cfg = parse_serve_config(["--max-queued-requests", "9"], environ=values)  # a flag beats its variable
+    assert (cfg.model, cfg.revision, cfg.served_model_name) == (str(tmp_path), "v1", "mine")
+    assert (cfg.nproc_per_node, cfg.replicate_size, cfg.shard_size) == (4, 2, 2)
+    assert (cfg.device, cfg.dtype, cfg.read_mode, cfg.host, cfg.port, cfg.log_level) == (
+        "cpu", "bfloat16", "full", "0.0.0.0", 9001, "debug")
+    assert (cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.max_input_tokens, cfg.max_total_tokens,
+            cfg.max_body_bytes) == (7, 9, 100, 200, 4096)
+    assert (cfg.step_timeout_s, cfg.shutdown_timeout_s, cfg.collective_timeout_s) == (11, 12, 13)
+    assert (cfg.prefetch_depth, cfg.resident_units, cfg.all_gather, cfg.api_key) == (3, -1, "group", "s3cret")
+    assert parse_serve_config([], environ={"HSDP_PORT": ""}).port == 8000  # empty: the default
+
+
+def test_a_bad_variable_is_a_usage_error_naming_it(capsys):
+    from server.config import parse_serve_config
+
+    for name, value in (("HSDP_DTYPE", "fp8"), ("HSDP_PORT", "eighty"), ("HSDP_RESIDENT_UNITS", "some")):
+        with pytest.raises(SystemExit) as e:
+            parse_serve_config([], environ={name: value})
+        assert e.value.code == 2 and f"{name}={value!r}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_serve_config([], environ={"HSDP_API_KEY": "s3cr3t-key", "HSDP_MAX_BODY_BYTES": "0"})
+    assert "s3cr3t-key" not in capsys.readouterr().err
+
+
+def test_the_key_comes_from_a_file(tmp_path, capsys):
+    from server.config import parse_serve_config
+
+    (tmp_path / "key").write_text("from-file\n")
+    cfg = parse_serve_config([], environ={"HSDP_API_KEY": "env", "HSDP_API_KEY_FILE": str(tmp_path / "key")})
+    assert cfg.api_key == "from-file"
+    with pytest.raises(SystemExit):
+        parse_serve_config(["--api-key-file", str(tmp_path / "missing")], environ={})
+    assert "--api-key-file" in capsys.readouterr().err
+
+
+def test_unknown_variables_are_named():
+    from server.config import unknown_variables
+
+    env = {"HSDP_MODLE": "/models", "HSDP_MODEL": "/models", "HSDP_CACHE_DIR": "/c", "HSDP_NNODES": "1", "HOME": "/"}
+    assert unknown_variables(env) == ["HSDP_MODLE"]
 
 
 def run_entrypoint(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
@@ -204,57 +280,17 @@ def run_entrypoint(env: dict[str, str], *args: str) -> subprocess.CompletedProce
                           capture_output=True, text=True, timeout=30)
 
 
-def test_entrypoint_maps_every_variable_onto_a_flag_the_server_accepts(tmp_path):
-    from server.config import parse_serve_config
-
-    values = {
-        "HSDP_MODEL": str(tmp_path), "HSDP_NPROC_PER_NODE": "4", "HSDP_REPLICATE_SIZE": "2",
-        "HSDP_SHARD_SIZE": "2", "HSDP_DEVICE": "cpu", "HSDP_DTYPE": "bfloat16", "HSDP_READ_MODE": "full",
-        "HSDP_HOST": "0.0.0.0", "HSDP_PORT": "9001", "HSDP_LOG_LEVEL": "debug",
-        "HSDP_MAX_CONCURRENT_REQUESTS": "7", "HSDP_MAX_QUEUED_REQUESTS": "8", "HSDP_MAX_INPUT_TOKENS": "100",
-        "HSDP_MAX_TOTAL_TOKENS": "200", "HSDP_MAX_BODY_BYTES": "4096", "HSDP_STEP_TIMEOUT": "11",
-        "HSDP_SHUTDOWN_TIMEOUT": "12", "HSDP_COLLECTIVE_TIMEOUT": "13", "HSDP_API_KEY": "s3cret",
-        "HSDP_PREFETCH_DEPTH": "3", "HSDP_RESIDENT_UNITS": "all", "HSDP_ALL_GATHER": "group",
-    }
-    assert set(entrypoint_flag_vars()) == set(values) - {"HSDP_API_KEY"}
-    r = run_entrypoint(values, "--max-queued-requests", "9")  # extra arguments come last and win
+def test_entrypoint_passes_arguments_and_nothing_else():
+    r = run_entrypoint({"HSDP_PORT": "9001", "HSDP_API_KEY": "s3cret"}, "--max-queued-requests", "9")
     assert r.returncode == 0 and r.stderr == "", r.stderr
-    argv = shlex.split(r.stdout)
-    assert argv[0] == "hsdp-serve" and "s3cret" not in r.stdout  # the key stays in the environment
-    cfg = parse_serve_config(argv[1:])
-    assert (cfg.model, cfg.nproc_per_node, cfg.replicate_size, cfg.shard_size) == (str(tmp_path), 4, 2, 2)
-    assert (cfg.device, cfg.dtype, cfg.read_mode, cfg.host, cfg.port, cfg.log_level) == (
-        "cpu", "bfloat16", "full", "0.0.0.0", 9001, "debug")
-    assert (cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.max_input_tokens, cfg.max_total_tokens,
-            cfg.max_body_bytes) == (7, 9, 100, 200, 4096)
-    assert (cfg.step_timeout_s, cfg.shutdown_timeout_s, cfg.collective_timeout_s) == (11, 12, 13)
-    assert (cfg.prefetch_depth, cfg.resident_units, cfg.all_gather) == (3, -1, "group")
-
-
-def test_entrypoint_leaves_defaults_to_the_server_and_warns_of_unknown_variables():
-    r = run_entrypoint({"HSDP_PORT": "", "HSDP_MODLE": "/models"})
-    assert r.returncode == 0 and shlex.split(r.stdout) == ["hsdp-serve"]
-    assert "unknown variable HSDP_MODLE" in r.stderr
-
-
-def test_entrypoint_reads_the_key_from_a_file(tmp_path):
-    (tmp_path / "key").write_text("from-file\n")
-    fake = tmp_path / "bin" / "hsdp-serve"  # stands in for the server: shows what it would see
-    fake.parent.mkdir()
-    fake.write_text('#!/bin/sh\necho "key=$HSDP_API_KEY args=$*"\n')
-    fake.chmod(0o755)
-    path = f"{fake.parent}{os.pathsep}{os.environ['PATH']}"
-    r = run_entrypoint({"HSDP_API_KEY_FILE": str(tmp_path / "key"), "HSDP_DRY_RUN": "", "PATH": path})
-    assert r.returncode == 0 and r.stdout.strip() == "key=from-file args=", r.stderr
-    r = run_entrypoint({"HSDP_API_KEY_FILE": str(tmp_path / "missing")})
-    assert r.returncode == 2 and "not readable" in r.stderr
+    assert shlex.split(r.stdout) == ["hsdp-serve", "--max-queued-requests", "9"]  # the server reads HSDP_*
 
 
 def test_entrypoint_starts_torchrun_on_several_nodes():
     from torch.distributed.run import get_args_parser
 
     r = run_entrypoint({"HSDP_NNODES": "2", "HSDP_NODE_RANK": "1", "HSDP_MASTER_ADDR": "10.0.0.1",
-                        "HSDP_DEVICE": "cpu", "HSDP_REPLICATE_SIZE": "2"})
+                        "HSDP_DEVICE": "cpu", "HSDP_REPLICATE_SIZE": "2"}, "--port", "9000")
     assert r.returncode == 0, r.stderr
     argv = shlex.split(r.stdout)
     assert argv[0] == "torchrun"
@@ -262,7 +298,7 @@ def test_entrypoint_starts_torchrun_on_several_nodes():
     assert (args.nnodes, args.nproc_per_node, args.node_rank, args.master_addr, args.master_port) == (
         "2", "2", 1, "10.0.0.1", 29500)
     assert args.module and args.training_script == "server"
-    assert args.training_script_args == ["--replicate-size", "2", "--device", "cpu"]
+    assert args.training_script_args == ["--port", "9000"]
     for missing in ("HSDP_NODE_RANK", "HSDP_MASTER_ADDR"):
         env = {"HSDP_NNODES": "2", "HSDP_NODE_RANK": "0", "HSDP_MASTER_ADDR": "h"}
         del env[missing]
@@ -379,11 +415,18 @@ def test_dockerfile_install_step_keeps_the_images_torch(tmp_path):
     import torch
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")
+    # This environment's packages (torch among them) visible in the new one, as the image's are.
+    # Not --system-site-packages: from inside a venv that shows the base interpreter's packages.
+    new_site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    ours = sorted({p for p in site.getsitepackages() + [site.getusersitepackages()] if os.path.isdir(p)})
+    with open(os.path.join(new_site, "outer-environment.pth"), "w") as f:
+        f.write("\n".join(ours) + "\n")
     src = tmp_path / "src"
     shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", "tests", "benchmarks", "*.egg-info",
-                                                             "__pycache__", ".install-stamp"))
+                                                             "__pycache__", ".install-stamp*", ".venv*"))
     r = subprocess.run(["bash", str(src / "scripts" / "install.sh"), "."], env={**os.environ, "PYTHON": python},
                        capture_output=True, text=True, timeout=540)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
