@@ -1,6 +1,8 @@
-# The two commands of the README: `make serve` and `make test`. Both install what they need first.
+# The two commands of the README: `make serve` and `make test`. Both install what they need first,
+# into the Python environment PYTHON belongs to (the active virtual environment's python3, say).
 PYTHON ?= python3
-STAMP := .install-stamp
+# One stamp per environment: switching to a fresh venv installs again.
+STAMP := .install-stamp-$(shell $(PYTHON) -c 'import hashlib, sys; print(hashlib.md5(sys.prefix.encode()).hexdigest()[:10])')
 
 .PHONY: install serve test bench-load bench-step bench-serve
 
@@ -22,7 +24,5 @@ bench-load: $(STAMP)
 bench-step: $(STAMP)
 	$(PYTHON) -m benchmarks.step $(ARGS)
 
-# transformers serve (the peer) needs accelerate: the bench extra
 bench-serve: $(STAMP)
-	$(PYTHON) -m pip install -q -e '.[test,bench]'
 	$(PYTHON) -m benchmarks.serve $(ARGS)

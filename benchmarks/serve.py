@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from benchmarks.models import bench_checkpoint, parameter_count
+from benchmarks.models import bench_checkpoint, compute_dtype, parameter_count
 from tests.server_process import REPO, free_port
 
 SERVERS = ("transformers", "hsdp", "hsdp-gloo", "hsdp-resident")
@@ -112,16 +112,16 @@ class Server:
         self.proc.wait(10)
 
 
-def build_server(name: str, model_dir: str, log_dir: str, max_running: int) -> Server:
+def build_server(name: str, model_dir: str, log_dir: str, max_running: int, dtype: str) -> Server:
     port = free_port()
     log_path = os.path.join(log_dir, f"{name}.log")
     if name == "transformers":
-        argv = ["transformers", "serve", "--continuous-batching", "--device", "cpu", "--dtype", "bfloat16",
+        argv = ["transformers", "serve", "--continuous-batching", "--device", "cpu", "--dtype", dtype,
                 "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", model_dir]
         return Server(name, argv, port, "/health", model_dir, log_path)
     argv = [sys.executable, "-m", "server", "--model", model_dir, "--nproc-per-node", "2", "--device", "cpu",
-            "--dtype", "bfloat16", "--port", str(port), "--max-concurrent-requests", str(max_running),
-            "--log-level", "warning"]
+            "--dtype", dtype, "--port", str(port), "--max-concurrent-requests", str(max_running),
+            "--log-level", "warning", "--served-model-name", model_dir]
     if name == "hsdp-resident":
         argv += ["--resident-units", "all"]
     if name == "hsdp-gloo":
@@ -340,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests-per-client", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--endpoint", choices=("openai", "tgi"), default="openai")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="auto: bf16 where the CPU has native bf16, else float32")
     parser.add_argument("--out", help="also write the JSON report here")
     parser.add_argument("--render", metavar="FILE", help="print a saved JSON report as Markdown tables, and exit")
     args = parser.parse_args(argv)
@@ -353,11 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = [("concurrency", float(c)) for c in args.concurrency.split(",") if c]
     scenarios += [("rate", float(r)) for r in args.rate.split(",") if r]
     model_dir = args.model or bench_checkpoint()
+    dtype = compute_dtype(args.dtype)
+    log(f"dtype {dtype}")
     max_running = max([int(v) for k, v in scenarios if k == "concurrency"] + [128])
     results = {}
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as log_dir:
         for name in servers:
-            server = build_server(name, model_dir, log_dir, max_running)
+            server = build_server(name, model_dir, log_dir, max_running, dtype)
             try:
                 ready_s = server.start()
                 results[name] = {"argv": server.argv, "ready_s": round(ready_s, 2),
@@ -368,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 server.stop()
     report = {
-        "model": model_dir, "parameters": parameter_count(model_dir), "dtype": "bfloat16",
+        "model": model_dir, "parameters": parameter_count(model_dir), "dtype": dtype,
         "max_new_tokens": args.max_new_tokens, "endpoint": args.endpoint, "cpu_count": os.cpu_count(),
         "results": results,
         "ratios_to_transformers": ratios(results, "transformers") if "transformers" in results else None,

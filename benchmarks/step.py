@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from benchmarks.models import bench_checkpoint, parameter_count
+from benchmarks.models import bench_checkpoint, compute_dtype, parameter_count
 from tests.dist import run_ranks, values
 
 MODES = ("sharded", "prefetch1", "prefetch", "shm", "resident")
@@ -113,14 +113,14 @@ def gathered_bytes(model) -> int:
 
 
 def rank_body(rank: int, world: int, model_dir: str, batches: list[int], context: int, steps: int,
-              modes: list[str], profile_dir: str | None, repeats: int) -> dict:
+              modes: list[str], profile_dir: str | None, repeats: int, dtype: str) -> dict:
     import torch.distributed as dist
 
     from loaders import load_hsdp_model
     from shard_engine import HSDPInferenceConfig, disable_forward_prefetch, enable_forward_prefetch
     from shard_engine import enable_shared_memory_all_gather, set_resident_units, slots_for_depth
 
-    loaded = load_hsdp_model(model_dir, HSDPInferenceConfig(), device=torch.device("cpu"))
+    loaded = load_hsdp_model(model_dir, HSDPInferenceConfig(), device=torch.device("cpu"), dtype=dtype)
     model, vocab = loaded.model, loaded.config.vocab_size
     nbytes = gathered_bytes(model)
     out: dict = {"threads": torch.get_num_threads(), "gathered_bytes": nbytes, "modes": {}}
@@ -157,7 +157,7 @@ def rank_body(rank: int, world: int, model_dir: str, batches: list[int], context
     dist.barrier()
     from transformers import AutoModelForCausalLM
 
-    full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     dist.barrier()
     out["unsharded"] = {}
     for _ in range(repeats):
@@ -199,20 +199,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--repeats", type=int, default=3, help="rounds over the modes; best kept (default 3)")
     parser.add_argument("--profile", metavar="DIR", help="write a cProfile of each timed run per rank")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="auto: bf16 where the CPU has native bf16, else float32")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}")
     model_dir = args.model or bench_checkpoint()
+    dtype = compute_dtype(args.dtype)
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
-    log(f"{model_dir}: {parameter_count(model_dir) / 1e6:.1f}M parameters, {args.nproc} ranks, batches {batches}")
+    log(f"{model_dir}: {parameter_count(model_dir) / 1e6:.1f}M parameters, {dtype}, {args.nproc} ranks, "
+        f"batches {batches}")
     with tempfile.TemporaryDirectory() as tmp:
         per_rank = values(run_ranks(rank_body, args.nproc, pathlib.Path(tmp), model_dir, batches, args.context,
-                                    args.steps, modes, args.profile, args.repeats, timeout=3600, pg_timeout_s=600))
+                                    args.steps, modes, args.profile, args.repeats, dtype, timeout=3600,
+                                    pg_timeout_s=600))
     report = {
-        "model": model_dir, "parameters": parameter_count(model_dir), "nproc": args.nproc,
+        "model": model_dir, "parameters": parameter_count(model_dir), "dtype": dtype, "nproc": args.nproc,
         "threads_per_rank": per_rank[0]["threads"], "context": args.context, "steps": args.steps,
         "repeats": args.repeats,
         "gathered_bytes_per_forward": per_rank[0]["gathered_bytes"],

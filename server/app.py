@@ -53,7 +53,10 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
     async def info() -> dict:
         limits = state.limits
         body = {
-            "model_id": state.model_id,
+            "model_id": state.model_name,
+            "served_model_names": state.model_names,
+            "model_path": state.model_path,
+            "model_source": state.model_source,
             "model_dtype": state.dtype,
             "mesh_shape": {"replicate": state.mesh_shape[0], "shard": state.mesh_shape[1]},
             "world_size": state.world_size,

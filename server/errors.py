@@ -45,6 +45,13 @@ class BodyTooLargeError(APIError):
     openai_code = "request_too_large"
 
 
+class ModelNotFoundError(APIError):
+    status_code = 404
+    error_type = "model_not_found"
+    openai_type = "invalid_request_error"
+    openai_code = "model_not_found"
+
+
 class OverloadedError(APIError):
     status_code = 429
     error_type = "overloaded"

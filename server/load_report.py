@@ -1,6 +1,6 @@
 """``hsdp-load``: load a checkpoint into an HSDP group, generate once, print one JSON report.
 
-    hsdp-load --nproc-per-node 2                     # the demo checkpoint on 2 local ranks
+    hsdp-load --nproc-per-node 2                     # the default model on 2 local ranks
     hsdp-load --model DIR --replicate-size 2 --dtype bfloat16
     torchrun --nproc-per-node 4 -m server.load_report --model DIR   # one torchrun per node
 
@@ -48,7 +48,7 @@ class LoadReportConfig:
 
     model_dir: str | None = None
     """A local Hugging Face checkpoint directory (safetensors, config.json, tokenizer);
-    None until :func:`main` puts the demo checkpoint there, before any rank starts."""
+    None until :func:`main` resolves ``--model`` there, before any rank starts."""
 
     hsdp: HSDPInferenceConfig
     """The replicate x shard mesh and FSDP2 policies."""
@@ -123,13 +123,13 @@ def generate_greedy(loaded, prompt: str, max_new_tokens: int, device: torch.devi
 
 def run_load_report(config: LoadReportConfig) -> dict | None:
     """One rank's work: join the group, load, generate; rank 0 returns the report, others None."""
-    assert config.model_dir is not None, "main resolves the demo checkpoint before launching"
+    assert config.model_dir is not None, "main resolves the checkpoint before launching"
     device = init_rank(config.device, config.timeout_s)
     loaded = load_hsdp_model(
         config.model_dir,
         config.hsdp,
         device=device,
-        dtype=None if config.dtype == "auto" else config.dtype,
+        dtype=config.dtype,  # auto: the checkpoint's, float32 where the CPU has no native bf16/fp16
         read_mode=config.read_mode,
     )
     generation = generate_greedy(loaded, config.prompt, config.max_new_tokens, device)
@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", metavar="DIR", help="local checkpoint directory (default: the demo)")
+    parser.add_argument("--model", metavar="DIR|ORG/NAME",
+                        help="checkpoint directory or Hub repo id (default: the embedded default model)")
     parser.add_argument(
         "--nproc-per-node",
         type=parse_nproc_per_node,
@@ -202,10 +203,8 @@ def build_config(args: argparse.Namespace) -> tuple[LoadReportConfig, int]:
         hsdp.resolve_mesh_shape(world_size)
     except ValueError as e:
         raise ValueError(f"--replicate-size/--shard-size do not fit {world_size} rank(s): {e}") from None
-    if args.model is not None and not os.path.isdir(args.model):
-        raise ValueError(f"--model {args.model}: no such directory")
     config = LoadReportConfig(
-        model_dir=os.path.abspath(args.model) if args.model is not None else None,
+        model_dir=None,
         hsdp=hsdp,
         device=device,
         dtype=args.dtype,
@@ -227,12 +226,14 @@ def main(argv: list[str] | None = None) -> int:
         # Not parser.error: a screen of usage would bury the one line that matters.
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    if config.model_dir is None:
-        from server.demo import ensure_demo_checkpoint
+    from loaders.sources import resolve_model_on_node
 
-        # Created here, before any rank starts, so ranks never race to write it. Under torchrun
-        # each rank gets here; the demo is written atomically, so the race only costs time.
-        config.model_dir = ensure_demo_checkpoint()
+    try:
+        # Here, before any rank starts (one process per node fetches), so ranks never race.
+        config.model_dir = resolve_model_on_node(args.model).path
+    except ValueError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     try:
         report = launch_group(
             run_load_report, (config,), nproc_per_node=nproc_per_node, log_level=args.log_level

@@ -7,7 +7,6 @@ main thread drives the engine loop (the collectives); uvicorn runs on a thread o
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import threading
@@ -15,7 +14,7 @@ import time
 
 import torch.distributed as dist
 
-from server.config import ServeConfig, parse_serve_config
+from server.config import ServeConfig, parse_serve_config, unknown_variables
 from server.launch import GroupError, configure_logging, init_rank, launch_group, resolve_device_type
 
 logger = logging.getLogger(__name__)
@@ -77,8 +76,8 @@ def _warm_up(scheduler, state, world_size: int) -> None:
         scheduler.submit(RequestHandle([0, 0], SamplingParams(max_new_tokens=2), [], deliver=on_event))
 
 
-def serve_rank(cfg: ServeConfig) -> None:
-    """Every rank's body."""
+def serve_rank(cfg: ServeConfig, source) -> None:
+    """Every rank's body; ``source`` is the resolved :class:`loaders.sources.ModelSource`."""
     from loaders import load_hsdp_model
     from server.app import build_app
     from server.control import ControlChannel, run_engine_loop
@@ -96,14 +95,15 @@ def serve_rank(cfg: ServeConfig) -> None:
     state = http = scheduler = shm_pool = None
     if rank == 0:
         state = ServerState(
-            model_id=cfg.model, dtype=cfg.dtype, mesh_shape=hsdp.resolve_mesh_shape(world_size),
+            model_names=[cfg.served_model_name or source.name], model_path=source.path, model_source=source.kind,
+            dtype=cfg.dtype, mesh_shape=hsdp.resolve_mesh_shape(world_size),
             world_size=world_size, metrics=ServerMetrics(), api_key=cfg.api_key,
         )
         http = start_http_server(build_app(state, max_body_bytes=cfg.max_body_bytes), cfg.host, cfg.port)
     try:
         loaded = load_hsdp_model(
-            cfg.model, hsdp, device=device, dtype=cfg.torch_dtype, read_mode=cfg.read_mode,
-            progress=state.set_load_progress if state else None,
+            source.path, hsdp, device=device, dtype=cfg.torch_dtype or "auto", read_mode=cfg.read_mode,
+            progress=state.set_load_progress if state else None, require_tokenizer=True,
         )
         if cfg.prefetch_depth:
             enable_forward_prefetch(loaded.model, depth=cfg.prefetch_depth)
@@ -116,8 +116,6 @@ def serve_rank(cfg: ServeConfig) -> None:
         per_rank = [None] * world_size
         dist.all_gather_object(per_rank, (loaded.stats.bytes_read, residency.extra_bytes))  # every rank, once
         bytes_per_rank = [read for read, _ in per_rank]
-        if loaded.tokenizer is None:
-            raise ValueError(f"{cfg.model} has no tokenizer files: hsdp-serve needs one to serve text")
         engine = RankEngine(loaded.model, device, rank)
         channel = ControlChannel(cfg.collective_timeout_s)
         if rank == 0:
@@ -141,6 +139,7 @@ def serve_rank(cfg: ServeConfig) -> None:
             state.metrics.waiting.set_function(lambda: scheduler.num_waiting)
             state.dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
             state.limits, state.tokenizer, state.scheduler = limits, loaded.tokenizer, scheduler
+            state.sampling_defaults = sampling_defaults(loaded.model)
             state.set_phase("warming_up")
             _install_drain_handler(scheduler, state, cfg.shutdown_timeout_s)
             _warm_up(scheduler, state, world_size)
@@ -198,10 +197,6 @@ def _check_before_launch(cfg: ServeConfig) -> None:
     from server.launch import is_under_torchrun, resolve_nproc_per_node
     from shard_engine import HSDPInferenceConfig
 
-    if not os.path.isdir(cfg.model):
-        raise ValueError(f"--model {cfg.model}: no such directory")
-    if not os.access(cfg.model, os.R_OK | os.X_OK):
-        raise ValueError(f"--model {cfg.model}: not readable")
     cfg.nproc_per_node = resolve_nproc_per_node(cfg.nproc_per_node, resolve_device_type(cfg.device))
     if not is_under_torchrun():
         HSDPInferenceConfig(replicate_size=cfg.replicate_size, shard_size=cfg.shard_size).resolve_mesh_shape(
@@ -209,19 +204,33 @@ def _check_before_launch(cfg: ServeConfig) -> None:
         )
 
 
+def sampling_defaults(model) -> dict:
+    """The sampling settings the checkpoint's generation_config.json sets explicitly (not
+    transformers' class defaults): OpenAI requests that leave them unset get them."""
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is None:
+        return {}
+    explicit = generation_config.to_diff_dict()
+    return {k: explicit[k] for k in SAMPLING_DEFAULT_KEYS if explicit.get(k) is not None}
+
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 def main(argv: list[str] | None = None) -> None:
+    from loaders.sources import resolve_model_on_node
+
     cfg = parse_serve_config(argv)
     configure_logging(cfg.log_level)
+    for name in unknown_variables():
+        logger.warning("unknown variable %s is ignored (hsdp-serve --help names the variables)", name)
     try:
-        if cfg.model is None:
-            from server.demo import ensure_demo_checkpoint
-
-            cfg.model = ensure_demo_checkpoint()  # before the ranks start, so they never race
-            logger.info("serving the demo checkpoint %s (random weights: the text is random)", cfg.model)
-        cfg.model = os.path.abspath(cfg.model)
+        # Before the ranks start (one process per node fetches), so they never race.
+        source = resolve_model_on_node(cfg.model, revision=cfg.revision)
+        logger.info("serving %s (%s, %s)", cfg.served_model_name or source.name, source.kind, source.path)
         _check_before_launch(cfg)
-        launch_group(serve_rank, (cfg,), nproc_per_node=cfg.nproc_per_node, log_level=cfg.log_level,
-                     shutdown_timeout_s=int(cfg.shutdown_timeout_s) + 15)
+        launch_group(serve_rank, (cfg, source), nproc_per_node=cfg.nproc_per_node, log_level=cfg.log_level,
+                     shutdown_timeout_s=int(cfg.shutdown_timeout_s) + 15, title="hsdp-serve")
     except GroupError as e:
         print(f"hsdp-serve: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

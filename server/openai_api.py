@@ -1,8 +1,11 @@
 """OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
 
 Semantics follow OpenAI's: ``temperature`` defaults to 1 (sampling) and 0 means greedy; the
-text returned stops before a stop sequence; ``finish_reason`` is ``stop`` or ``length``. The
-request's ``model`` is not checked: this server serves one model, named in every response.
+text returned stops before a stop sequence; ``finish_reason`` is ``stop`` or ``length``. As in
+vLLM, sampling settings a request leaves unset (``temperature``, ``top_p`` and the extra
+``top_k``, ``min_p``, ``repetition_penalty``) take the checkpoint's generation_config.json
+values first. A request's ``model`` must be a served name (or absent): else 404
+``model_not_found``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from server.errors import GenerationError, InputValidationError, error_body
+from server.errors import GenerationError, InputValidationError, ModelNotFoundError, error_body
 from server.generation import RequestStream, check_admission
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage
 from server.sampling import SamplingParams
@@ -29,17 +32,37 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 
-def _sampling(req, max_new_tokens: int, top_logprobs: int) -> SamplingParams:
-    temperature = 1.0 if req.temperature is None else req.temperature
+def _sampling(req, defaults: dict, max_new_tokens: int, top_logprobs: int) -> SamplingParams:
+    """The request's sampling settings; those it leaves unset come from ``defaults`` (the
+    checkpoint's generation config), then OpenAI's (temperature 1, nothing else)."""
+
+    def setting(name: str):
+        value = getattr(req, name)
+        return defaults.get(name) if value is None else value
+
+    temperature = setting("temperature")
+    temperature = 1.0 if temperature is None else temperature
     greedy = temperature == 0.0
+    top_p, top_k, min_p = setting("top_p"), setting("top_k"), setting("min_p")
+    penalty = setting("repetition_penalty")
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         do_sample=not greedy,
         temperature=None if greedy else temperature,
-        top_p=None if greedy or req.top_p is None or req.top_p >= 1.0 else req.top_p,
+        top_p=None if greedy or top_p is None or top_p >= 1.0 else top_p,
+        top_k=None if greedy or not top_k or top_k < 1 else top_k,
+        min_p=None if greedy or not min_p else min_p,
+        repetition_penalty=None if penalty is None or penalty == 1.0 else penalty,
         seed=req.seed,
         top_logprobs=top_logprobs,
     )
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    """A request naming a model this server does not serve is answered 404, as OpenAI does."""
+    if model is not None and model not in state.model_names:
+        raise ModelNotFoundError(f"The model `{model}` does not exist. Served: {', '.join(state.model_names)}",
+                                 param="model")
 
 
 def _cut_at_stop(text: str, stops: list[str]) -> str:
@@ -129,18 +152,20 @@ def build_openai_router(state: ServerState) -> APIRouter:
             return StreamingResponse(stream_chunks(stream, req, chunk, path), media_type="text/event-stream")
         events = await stream.collect(request)
         text = _cut_at_stop(events[-1].full_text, req.stop_list)
-        return {"id": rid, "object": obj, "created": now, "model": state.model_id,
+        return {"id": rid, "object": obj, "created": now, "model": state.model_name,
                 "choices": [make_choice(text, events)], "usage": _usage(stream)}
 
     @router.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=state.model_id, created=created)])
+        return ModelList(data=[ModelCard(id=name, created=created) for name in state.model_names])
 
     @router.post("/completions")
     async def completions(req: CompletionRequest, request: Request):
+        check_model(state, req.model)
         prompt_ids = state.tokenizer(req.prompt).input_ids
         max_new = check_admission(state, prompt_ids, req.max_tokens or 16)
-        stream = RequestStream(state, prompt_ids, _sampling(req, max_new, req.logprobs or 0), req.stop_list)
+        params = _sampling(req, state.sampling_defaults, max_new, req.logprobs or 0)
+        stream = RequestStream(state, prompt_ids, params, req.stop_list)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs_of(events: list[TokenEvent]) -> dict | None:
@@ -156,7 +181,7 @@ def build_openai_router(state: ServerState) -> APIRouter:
         def chunk(text, event, finish) -> dict:
             choice = {"index": 0, "text": text, "finish_reason": finish,
                       "logprobs": logprobs_of([event]) if event is not None else None}
-            return {"id": rid, "object": "text_completion", "created": now, "model": state.model_id,
+            return {"id": rid, "object": "text_completion", "created": now, "model": state.model_name,
                     "choices": [choice]}
 
         def choice(text, events) -> dict:
@@ -167,10 +192,12 @@ def build_openai_router(state: ServerState) -> APIRouter:
 
     @router.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
+        check_model(state, req.model)
         prompt_ids = _chat_prompt(state, req)
         top = (req.top_logprobs or 0) if req.logprobs else 0
         max_new = check_admission(state, prompt_ids, req.max_completion_tokens or req.max_tokens)
-        stream = RequestStream(state, prompt_ids, _sampling(req, max_new, top), req.stop_list)
+        params = _sampling(req, state.sampling_defaults, max_new, top)
+        stream = RequestStream(state, prompt_ids, params, req.stop_list)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs_of(events: list[TokenEvent]) -> dict | None:
@@ -193,7 +220,7 @@ def build_openai_router(state: ServerState) -> APIRouter:
                 delta["content"] = text
             choice = {"index": 0, "delta": delta, "finish_reason": finish,
                       "logprobs": logprobs_of([event]) if event is not None else None}
-            return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": state.model_id,
+            return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": state.model_name,
                     "choices": [choice]}
 
         def choice(text, events) -> dict:

@@ -28,6 +28,10 @@ class _SamplingFields(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extra sampling fields; unset, they take generation_config.json's values
+    top_k: int | None = Field(default=None, ge=-1, description="-1 or 0: off")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, ge=0.0, le=0.0, description="not supported")
     presence_penalty: float | None = Field(default=None, ge=0.0, le=0.0, description="not supported")
     user: str | None = None

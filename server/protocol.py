@@ -37,6 +37,7 @@ class GenerateRequest(BaseModel):
 
     inputs: str = Field(min_length=1)
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    model: str | None = Field(default=None, description="ignored, as TGI ignores it: one model is served")
 
 
 class Token(BaseModel):

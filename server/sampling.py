@@ -16,6 +16,7 @@ class SamplingParams:
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
     top_logprobs: int = 0
@@ -29,6 +30,7 @@ class SamplingParams:
             or (self.temperature is not None and self.temperature != 1.0)
             or (self.top_k is not None and self.top_k > 0)
             or (self.top_p is not None and self.top_p < 1.0)
+            or (self.min_p is not None and self.min_p > 0.0)
         )
 
 
@@ -36,6 +38,7 @@ def build_logits_processors(params: SamplingParams):
     """transformers' processors for ``params``, in the order ``generate`` applies them."""
     from transformers import (
         LogitsProcessorList,
+        MinPLogitsWarper,
         RepetitionPenaltyLogitsProcessor,
         TemperatureLogitsWarper,
         TopKLogitsWarper,
@@ -52,6 +55,8 @@ def build_logits_processors(params: SamplingParams):
             processors.append(TopKLogitsWarper(top_k=params.top_k))
         if params.top_p is not None and params.top_p < 1.0:
             processors.append(TopPLogitsWarper(top_p=params.top_p))
+        if params.min_p is not None and params.min_p > 0.0:
+            processors.append(MinPLogitsWarper(min_p=params.min_p))
     return processors
 
 

@@ -18,7 +18,11 @@ class Limits:
 
 @dataclass
 class ServerState:
-    model_id: str
+    model_names: list[str]
+    """The names clients may give as ``model``; the first is the one responses carry. (More
+    than one leaves room for adapters served beside the base model.)"""
+    model_path: str
+    model_source: str  # directory, hub, default or demo
     dtype: str
     mesh_shape: tuple[int, int]
     world_size: int
@@ -32,6 +36,7 @@ class ServerState:
     metrics: object | None = None
     api_key: str | None = None
     residency: dict | None = None  # what --resident-units and --prefetch-depth did, per rank
+    sampling_defaults: dict = field(default_factory=dict)  # generation_config.json's, for OpenAI requests
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def set_phase(self, phase: str, failure: str | None = None) -> None:
@@ -43,6 +48,10 @@ class ServerState:
 
     def set_load_progress(self, done: int, total: int) -> None:
         self.load_done_bytes, self.load_total_bytes = done, total
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
 
     @property
     def ready(self) -> bool:

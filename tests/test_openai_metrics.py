@@ -16,7 +16,8 @@ PROMPT = "The quick brown fox"
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("openai")
     path = write_checkpoint(root / "llama", "llama")
-    server = ServerProcess(path, extra_args=("--api-key", KEY), log_path=root / "server.log")
+    server = ServerProcess(path, extra_args=("--api-key", KEY, "--served-model-name", "m"),
+                           log_path=root / "server.log")
     server.client.headers["Authorization"] = f"Bearer {KEY}"
     try:
         server.poll_ready()
@@ -92,7 +93,22 @@ def test_stream_ends_with_done_and_models_listed(served, openai_client):
                               json={"prompt": PROMPT, "max_tokens": 3, "stream": True}) as r:
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
-    assert [m.id for m in openai_client.models.list().data] == [path]
+    assert [m.id for m in openai_client.models.list().data] == ["m"]  # --served-model-name
+
+
+def test_the_model_must_be_a_served_name(served, openai_client):
+    import openai
+
+    server, _ = served
+    with pytest.raises(openai.NotFoundError) as e:
+        openai_client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+    assert e.value.status_code == 404 and e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    r = server.client.post("/v1/chat/completions", json={"model": "llama", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    for body in ({"prompt": PROMPT, "max_tokens": 2}, {"model": "m", "prompt": PROMPT, "max_tokens": 2}):
+        assert server.client.post("/v1/completions", json=body).status_code == 200  # absent, or served
+    r = server.client.post("/generate", json={"inputs": PROMPT, "model": "anything", "parameters": {"max_new_tokens": 2}})
+    assert r.status_code == 200  # TGI routes ignore the field, as TGI does
 
 
 def test_openai_stop_sequence_is_not_returned(served, reference, openai_client):

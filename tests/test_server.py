@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import json
+import os
 import threading
 
 import httpx
@@ -77,7 +78,7 @@ def test_health_and_info(served):
     server, path, _ = served
     assert server.client.get("/health").json()["status"] == "ok"
     info = server.client.get("/info").json()
-    assert info["model_id"] == path
+    assert info["model_id"] == os.path.basename(path) and info["model_path"] == path  # served by its name
     assert info["mesh_shape"] == {"replicate": 1, "shard": 2}
     assert info["max_total_tokens"] == 256 and info["max_input_tokens"] == 255
     assert info["model_dtype"] == "float32"

@@ -76,3 +76,20 @@ def test_port_in_use(model_dir):
         code, errors, elapsed, stderr = _start_and_wait(["--model", model_dir, "--port", str(port)])
     assert code != 0 and elapsed < 60
     assert len(errors) == 1 and "cannot listen" in errors[0], stderr[-2000:]
+
+
+def test_checkpoint_without_a_tokenizer(model_dir, tmp_path):
+    path = tmp_path / "no_tokenizer"
+    shutil.copytree(model_dir, path)
+    for name in os.listdir(path):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            os.remove(path / name)
+    code, errors, elapsed, stderr = _start_and_wait(["--model", str(path), "--port", str(free_port())])
+    assert code != 0 and len(errors) == 1, stderr[-2000:]
+    assert "MissingTokenizerError" in errors[0] and "no tokenizer files" in errors[0] and str(path) in errors[0]
+    assert "loaded" not in stderr  # refused before the weights were read
+
+
+def test_neither_a_directory_nor_a_repo_id(tmp_path):
+    code, errors, elapsed, stderr = _start_and_wait(["--model", str(tmp_path / "no" / "such" / "thing")])
+    assert code == 2 and len(errors) == 1 and "no such directory" in errors[0], stderr[-2000:]
