@@ -5,7 +5,8 @@
 
 Each rank loads the checkpoint sharded (load_hsdp_model), owns ``batch`` sequences of ``context``
 prompt tokens, prefills them, and times ``steps`` decode steps of the real engine
-(server.engine.RankEngine: one packed forward per step plus token selection), median per step,
+(server.engine: the scheduler's plan, one packed forward over the paged KV cache, batched token
+selection), median per step,
 best of --repeats interleaved rounds:
 
   sharded    every unit gathers its parameters in its own pre-forward (FSDP2's default)
@@ -46,20 +47,32 @@ def log(msg: str) -> None:
 
 
 def time_decode(model, rank: int, batch: int, context: int, steps: int, vocab: int, profile_path=None) -> dict:
-    """Median seconds per decode step of ``batch`` sequences on this rank (the engine's step)."""
-    from server.engine import NewSequence, RankEngine, StepPlan
-    from server.sampling import SamplingParams
+    """Median seconds per decode step of ``batch`` sequences on this rank: the real engine's step
+    (a local scheduler's plan, the rank engine's packed forward over the paged KV cache, batched
+    sampling, the scheduler taking the tokens back)."""
+    from server.engine import BlockPool, RankEngine, RequestHandle, SamplingParams, Scheduler
 
     gen = torch.Generator().manual_seed(1234 + rank)
-    engine = RankEngine(model, torch.device("cpu"), rank)
-    adds = [
-        NewSequence(seq_id=i, rank=rank, params=SamplingParams(max_new_tokens=steps + 8),
-                    prompt_ids=torch.randint(3, vocab, (context,), generator=gen).tolist())
-        for i in range(batch)
-    ]
-    engine.step(StepPlan(add=adds, forward=True))  # prefill
-    for _ in range(2):  # warm-up decode steps
-        engine.step(StepPlan(forward=True))
+    block_size = 16
+    blocks = batch * (-(-(context + steps + 8) // block_size) + 1)
+    # every rank runs the same plans on its own (rank 0 of its own one-rank scheduler), so the
+    # forwards, hence the collectives inside them, stay matched
+    engine = RankEngine(model, torch.device("cpu"), 0, num_blocks=blocks, block_size=block_size)
+    scheduler = Scheduler(pools=[BlockPool(blocks, block_size, prefix_caching=False)], replicas=[[0]],
+                          max_running=batch, max_total_tokens=context + steps + 16, eos_token_ids=set(),
+                          max_prefill_tokens=batch * context, idle_wait_s=0.01)
+    for _ in range(batch):
+        prompt = torch.randint(3, vocab, (context,), generator=gen).tolist()
+        scheduler.submit(RequestHandle(prompt, SamplingParams(max_new_tokens=steps + 8), deliver=lambda e: None))
+
+    def step() -> int:
+        plan = scheduler.next_plan()
+        result = engine.step(plan)
+        scheduler.on_results([result])
+        return len(result.tokens)
+
+    for _ in range(3):  # prefill, then warm-up decode steps
+        step()
     profiler = None
     if profile_path:
         import cProfile
@@ -69,9 +82,9 @@ def time_decode(model, rank: int, batch: int, context: int, steps: int, vocab: i
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        result = engine.step(StepPlan(forward=True))
+        produced = step()
         times.append(time.perf_counter() - t0)
-        assert len(result.tokens) == batch
+        assert produced == batch
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(profile_path)

@@ -70,11 +70,24 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
         }
         scheduler = state.scheduler
         if scheduler is not None:
-            body["ranks"] = [
-                {"rank": r, "pid": s.pid, "sequences_started": s.sequences_started,
-                 "tokens_computed": s.tokens_computed, "active": s.active} if s is not None else {"rank": r}
-                for r, s in enumerate(scheduler.rank_stats)
-            ]
+            kv = scheduler.kv_report()
+            body["kv_cache"] = {
+                "block_size": kv[0]["block_size"], "prefix_caching": scheduler.pools[0].prefix_caching,
+                "max_batch_prefill_tokens": scheduler.max_prefill_tokens, "preemptions": scheduler.preemptions,
+            }
+            ranks = []
+            for r, s in enumerate(scheduler.rank_stats):
+                entry = {"rank": r}
+                if s is not None:
+                    entry.update(pid=s.pid, sequences_started=s.sequences_started, tokens_computed=s.tokens_computed,
+                                 active=s.active)
+                pool = scheduler.pools[r]
+                entry["kv_blocks"] = {k.removeprefix("blocks_"): v for k, v in kv[r].items() if k != "block_size"}
+                entry["prefix_cache"] = {"queried_tokens": pool.queries, "hit_tokens": pool.hits,
+                                         "hit_rate": round(pool.hits / pool.queries, 4) if pool.queries else None}
+                entry["memory"] = scheduler.rank_memory[r]
+                ranks.append(entry)
+            body["ranks"] = ranks
         return body
 
     return app

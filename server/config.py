@@ -24,7 +24,31 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALL_GATHERS = ("auto", "shm", "group")
 MIN_STEP_TIMEOUT_S = 2.0
 ENV_PREFIX = "HSDP_"
-GROUPS = ("model", "group", "http", "admission", "timeouts", "speed")
+GROUPS = ("model", "group", "http", "admission", "memory", "timeouts", "speed")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int | None:
+    """A memory size: bytes, or a number with a unit (64MiB, 2GiB, 1.5GB); ``auto``: None."""
+    import re
+
+    if text.strip().lower() == "auto":
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512MiB, 2GiB or a number of bytes, or auto; "
+                                          f"got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_switch(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected 1/0, true/false, yes/no or on/off, got {text!r}")
 
 
 @dataclass(frozen=True)
@@ -38,6 +62,7 @@ class Option:
     choices: tuple | None = None
     metavar: str | None = None
     secret: bool = False  # never shown: not in --help defaults, not in logs
+    switch: bool = False  # a boolean: --NAME / --no-NAME, and 1/0, true/false, yes/no as a variable
 
 
 def option(default, help: str, group: str, **kwargs):
@@ -95,6 +120,18 @@ class ServeConfig:
     max_total_tokens: int | None = option(None, "prompt plus new tokens (default: the model's positions, at most "
                                           "4096)", "admission", type=int)
 
+    kv_cache_memory: int | None = option(
+        None, "KV cache per rank, allocated once at startup: a size (512MiB, 2GiB) or auto (on CPU a fifth of the "
+        "node's available memory shared by its ranks; on a GPU 90% of what is free after the weights, less 1 GiB "
+        "for activations)", "memory", type=parse_size, metavar="SIZE|auto")
+    kv_block_size: int = option(16, "tokens per KV cache block (the unit of allocation and of prefix sharing)",
+                                "memory", type=int, metavar="N")
+    max_batch_prefill_tokens: int = option(
+        512, "prompt tokens a rank computes per step at most: longer prompts are split over steps while the other "
+        "sequences go on decoding", "memory", type=int, metavar="N")
+    prefix_caching: bool = option(True, "reuse the KV blocks of prompts' common prefixes (--no-prefix-caching: "
+                                  "off)", "memory", switch=True)
+
     step_timeout_s: float = option(300.0, "a step (one forward on every rank, the control channel included) "
                                    f"longer than this dumps stacks and stops the group; at least {MIN_STEP_TIMEOUT_S:g}",
                                    "timeouts", flag="--step-timeout", type=float, metavar="S")
@@ -140,6 +177,12 @@ class ServeConfig:
             raise ValueError(f"--resident-units must be >= 0 or 'all', got {self.resident_units}")
         if self.collective_timeout_s <= 0:
             raise ValueError("--collective-timeout must be positive")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
+        if not 1 <= self.kv_block_size <= 1024:
+            raise ValueError(f"--kv-block-size must be in 1..1024, got {self.kv_block_size}")
+        if self.max_batch_prefill_tokens < 1:
+            raise ValueError(f"--max-batch-prefill-tokens must be >= 1, got {self.max_batch_prefill_tokens}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("--served-model-name must not be empty")
 
@@ -169,6 +212,8 @@ def show_default(f) -> str | None:
     """The default as a user would type it, or None where there is none to show."""
     if f.default is MISSING or f.default is None or f.metadata["option"].secret:
         return None
+    if f.metadata["option"].switch:
+        return "on" if f.default else "off"
     if f.name == "resident_units" and f.default == -1:
         return "all"
     return f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
@@ -183,13 +228,20 @@ def build_parser() -> argparse.ArgumentParser:
     for f in OPTIONS:
         o = f.metadata["option"]
         shown = show_default(f)
+        help_text = o.help + (f" (default: {shown})" if shown else "")
+        if o.switch:
+            p.add_argument(flag_of(f), dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=help_text)
+            continue
         p.add_argument(flag_of(f), dest=f.name, type=o.type, choices=o.choices, metavar=o.metavar,
-                       default=f.default, help=o.help + (f" (default: {shown})" if shown else ""))
+                       default=f.default, help=help_text)
     return p
 
 
 def _parse_env(f, text: str):
     o = f.metadata["option"]
+    if o.switch:
+        return parse_switch(text)
     value = o.type(text) if o.type is not None else text
     if o.choices is not None and value not in o.choices:
         raise ValueError(f"must be one of {o.choices}")
@@ -246,6 +298,8 @@ def render_options_markdown() -> str:
             if o.group != group:
                 continue
             spelled = flag_of(f) + (f" {o.metavar}" if o.metavar else "")
+            if o.switch:
+                spelled = f"{flag_of(f)}, --no-{flag_of(f).removeprefix('--')}"
             if o.choices:
                 spelled = flag_of(f) + " " + "|".join(o.choices)
             spelled = spelled.replace("|", "\\|")  # inside a Markdown table

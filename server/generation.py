@@ -1,4 +1,10 @@
-"""What every generate endpoint shares: admission checks, and the bridge from the engine thread."""
+"""What every generate endpoint shares: admission checks, and the bridge from the engine thread.
+
+:class:`RequestStream` is one request on the asyncio side: it submits the token ids, receives the
+engine's token events, and turns them into text incrementally (``server.detokenize``): each event
+gets the text it adds and the token's own text, and a stop sequence ends the request here (the
+scheduler is told to free the sequence). Both APIs read the same events.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,10 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from server.detokenize import IncrementalDetokenizer, StopSequences
+from server.engine.sampling import SamplingParams
+from server.engine.scheduler import ErrorEvent, RequestHandle, TokenEvent, choose_seed
 from server.errors import GenerationError, InputValidationError, OverloadedError, UnavailableError
-from server.sampling import SamplingParams
-from server.scheduler import ErrorEvent, RequestHandle, TokenEvent, choose_seed
 from server.state import ServerState
 
 
@@ -24,14 +31,23 @@ def check_admission(state: ServerState, prompt_ids: list[int], max_new_tokens: i
             f"inputs must have less than {limits.max_input_tokens + 1} tokens. Given: {len(prompt_ids)}",
             param="inputs",
         )
-    budget = limits.max_total_tokens - len(prompt_ids)
-    if max_new_tokens is None:
-        return budget
-    if max_new_tokens > budget:
+    if max_new_tokens is None:  # as much as the context allows, and the KV cache holds
+        room = min(limits.max_total_tokens, state.kv_tokens_per_rank or limits.max_total_tokens)
+        if len(prompt_ids) >= room:
+            raise InputValidationError(
+                f"the input ({len(prompt_ids)} tokens) leaves no room for new tokens: a sequence holds at most "
+                f"{room} tokens", param="inputs")
+        return room - len(prompt_ids)
+    if len(prompt_ids) + max_new_tokens > limits.max_total_tokens:
         raise InputValidationError(
             f"inputs tokens + max_new_tokens must be <= {limits.max_total_tokens}. "
             f"Given: {len(prompt_ids)} inputs tokens and {max_new_tokens} max_new_tokens",
             param="max_new_tokens",
+        )
+    if not state.scheduler.fits_ever(len(prompt_ids) + max_new_tokens):
+        raise InputValidationError(
+            f"inputs tokens + max_new_tokens ({len(prompt_ids)} + {max_new_tokens}) can never fit a rank's KV cache "
+            f"({state.kv_tokens_per_rank} tokens; raise --kv-cache-memory)", param="max_new_tokens",
         )
     return max_new_tokens
 
@@ -44,9 +60,14 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.state = state
         self.handle = RequestHandle(
-            prompt_ids, choose_seed(params), stop,
+            prompt_ids, choose_seed(params),
             deliver=lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event),
         )
+        self.detokenizer = IncrementalDetokenizer(state.tokenizer)
+        self.stops = StopSequences(stop)
+        self.num_tokens = 0  # tokens delivered (the engine may have made one or two more after a stop)
+        self.finish_reason: str | None = None
+        self._pieces: list[str] = []
         self.arrived_at = time.monotonic()
         self.finished_at: float | None = None
         self._submit()
@@ -59,6 +80,32 @@ class RequestStream:
                 "overloaded: too many requests running and queued; retry later", headers={"Retry-After": "1"}
             )
 
+    @property
+    def text(self) -> str:
+        """The text generated so far (stop sequence included)."""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    @property
+    def seed(self) -> int | None:
+        return self.handle.params.seed if self.handle.params.samples else None
+
+    def _complete(self, event: TokenEvent) -> None:
+        """Fill in the event's text; end the request here if it completes a stop sequence."""
+        tokenizer = self.state.tokenizer
+        event.text = self.detokenizer.step(event.id)
+        if event.finish is not None:
+            event.text += self.detokenizer.flush()
+        event.token_text = tokenizer.decode([event.id])
+        event.special = event.id in self.state.special_ids
+        if self.stops.feed(event.text) is not None and event.finish is None:
+            event.finish = "stop_sequence"
+            event.text += self.detokenizer.flush()
+            self.state.scheduler.finish(self.handle)
+        self._pieces.append(event.text)
+        self.num_tokens += 1
+
     async def events(self) -> AsyncIterator[TokenEvent]:
         """Token events until the last (``event.finish`` set); frees the sequence if abandoned."""
         scheduler = self.state.scheduler
@@ -68,12 +115,14 @@ class RequestStream:
                 if isinstance(event, ErrorEvent):
                     self.state.metrics.failures.labels("engine").inc()
                     raise GenerationError(event.message)
+                self._complete(event)
                 yield event
                 if event.finish is not None:
+                    self.finish_reason = event.finish
                     self.finished_at = time.monotonic()
                     return
         finally:
-            if not self.handle.done:
+            if self.finish_reason is None and not self.handle.done:
                 self.state.metrics.failures.labels("cancelled").inc()
                 scheduler.cancel(self.handle)  # the client went away: freed on its rank next step
 
@@ -107,7 +156,7 @@ class RequestStream:
         end = self.finished_at or time.monotonic()
         started = h.started_at or end
         inference = end - started
-        tokens = max(1, len(h.generated))
+        tokens = max(1, self.num_tokens)
         return {
             "x-compute-type": "hsdp",
             "x-total-time": str(round((end - self.arrived_at + validation_s) * 1000)),
@@ -116,5 +165,5 @@ class RequestStream:
             "x-inference-time": str(round(inference * 1000)),
             "x-time-per-token": str(round(inference * 1000 / tokens)),
             "x-prompt-tokens": str(len(h.prompt_ids)),
-            "x-generated-tokens": str(len(h.generated)),
+            "x-generated-tokens": str(self.num_tokens),
         }

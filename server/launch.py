@@ -192,11 +192,23 @@ def _count_usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+_TEARDOWN_REPORT_S = 15
+
+
 def close_rank() -> None:
-    """Destroy the process groups, then let their worker threads finish before the process exits."""
+    """Destroy the process groups, then let their worker threads finish before the process exits.
+
+    A teardown that outlasts 15 s dumps every thread's stack to the log (once seen in CI under
+    heavy load: a rank still alive 45 s after a clean drain, until the launcher killed it)."""
     if not dist.is_initialized():
         return
-    dist.destroy_process_group()
+    import faulthandler
+
+    faulthandler.dump_traceback_later(_TEARDOWN_REPORT_S, exit=False)
+    try:
+        dist.destroy_process_group()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     # DTensor's sharding cache keeps the DeviceMesh, hence its groups and their worker threads,
     # alive until exit. A gloo worker still dropping its last collective's tensors needs the
     # GIL; if the interpreter is finalising by then, the rank aborts with SIGABRT ("terminate
@@ -384,21 +396,24 @@ def _passing_stop_signals_to_ranks(grace_s: float) -> Iterator[list[int]]:
     """
     received: list[int] = []
 
-    def kill_ranks() -> None:
-        for child in multiprocessing.active_children():
+    def kill_ranks(why: str) -> None:
+        children = multiprocessing.active_children()
+        if children:
+            logger.warning("%s: killing the ranks (%s)", why, ", ".join(str(c.pid) for c in children))
+        for child in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child.pid, signal.SIGKILL)
 
     def on_signal(signum, _frame) -> None:
         received.append(signum)
         if len(received) > 1:
-            kill_ranks()
+            kill_ranks(f"a second {signal.Signals(signum).name}")
             return
         logger.warning("%s: passed on to the ranks (again to stop them at once)", signal.Signals(signum).name)
         for child in multiprocessing.active_children():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child.pid, signum)
-        timer = threading.Timer(grace_s, kill_ranks)
+        timer = threading.Timer(grace_s, kill_ranks, args=(f"the ranks did not stop within {grace_s:g} s",))
         timer.daemon = True
         timer.start()
 

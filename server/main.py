@@ -7,6 +7,7 @@ main thread drives the engine loop (the collectives); uvicorn runs on a thread o
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -60,8 +61,8 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 def _warm_up(scheduler, state, world_size: int) -> None:
     """One short sequence per rank through the real path; ready once all have finished."""
-    from server.sampling import SamplingParams
-    from server.scheduler import RequestHandle
+    from server.engine.sampling import SamplingParams
+    from server.engine.scheduler import RequestHandle
 
     remaining = [world_size]
 
@@ -73,7 +74,13 @@ def _warm_up(scheduler, state, world_size: int) -> None:
                 logger.info("ready")
 
     for _ in range(world_size):
-        scheduler.submit(RequestHandle([0, 0], SamplingParams(max_new_tokens=2), [], deliver=on_event))
+        scheduler.submit(RequestHandle([0, 0], SamplingParams(max_new_tokens=2), deliver=on_event))
+
+
+def _replicas(mesh_shape: tuple[int, int]) -> list[list[int]]:
+    """The global ranks of each replica (shard group): the mesh is replicate x shard, row-major."""
+    replicate, shard = mesh_shape
+    return [[r * shard + s for s in range(shard)] for r in range(replicate)]
 
 
 def serve_rank(cfg: ServeConfig, source) -> None:
@@ -81,9 +88,9 @@ def serve_rank(cfg: ServeConfig, source) -> None:
     from loaders import load_hsdp_model
     from server.app import build_app
     from server.control import ControlChannel, run_engine_loop
-    from server.engine import RankEngine
+    from server.engine import BlockPool, KVGeometry, RankEngine, Scheduler, size_kv_pool
+    from server.memory import MemoryReport, release_freed_memory, tensor_bytes
     from server.metrics import ServerMetrics
-    from server.scheduler import Scheduler
     from server.state import ServerState
     from server.watchdog import StepWatchdog
     from shard_engine import (HSDPInferenceConfig, enable_forward_prefetch, enable_shared_memory_all_gather,
@@ -92,12 +99,13 @@ def serve_rank(cfg: ServeConfig, source) -> None:
     hsdp = HSDPInferenceConfig(replicate_size=cfg.replicate_size, shard_size=cfg.shard_size)
     device = init_rank(resolve_device_type(cfg.device), cfg.collective_timeout_s)
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    mesh_shape = hsdp.resolve_mesh_shape(world_size)
     state = http = scheduler = shm_pool = None
     if rank == 0:
         state = ServerState(
             model_names=[cfg.served_model_name or source.name], model_path=source.path, model_source=source.kind,
-            dtype=cfg.dtype, mesh_shape=hsdp.resolve_mesh_shape(world_size),
-            world_size=world_size, metrics=ServerMetrics(), api_key=cfg.api_key,
+            dtype=cfg.dtype, mesh_shape=mesh_shape, world_size=world_size, metrics=ServerMetrics(),
+            api_key=cfg.api_key,
         )
         http = start_http_server(build_app(state, max_body_bytes=cfg.max_body_bytes), cfg.host, cfg.port)
     try:
@@ -105,6 +113,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
             source.path, hsdp, device=device, dtype=cfg.torch_dtype or "auto", read_mode=cfg.read_mode,
             progress=state.set_load_progress if state else None, require_tokenizer=True,
         )
+        release_freed_memory()  # the load's read buffers (server.memory says why)
         if cfg.prefetch_depth:
             enable_forward_prefetch(loaded.model, depth=cfg.prefetch_depth)
         if cfg.all_gather == "shm" or (cfg.all_gather == "auto" and cfg.resident_units != -1):
@@ -113,33 +122,43 @@ def serve_rank(cfg: ServeConfig, source) -> None:
             if shm_pool is None and cfg.all_gather == "shm":
                 raise ValueError("--all-gather shm: the ranks cannot share memory (see the log); use auto or group")
         residency = set_resident_units(loaded.model, cfg.resident_units)  # collective: same on every rank
+        geometry = KVGeometry.of(loaded.model)
+        available = size_kv_pool(cfg.kv_cache_memory, geometry, cfg.kv_block_size, device)
         per_rank = [None] * world_size
-        dist.all_gather_object(per_rank, (loaded.stats.bytes_read, residency.extra_bytes))  # every rank, once
-        bytes_per_rank = [read for read, _ in per_rank]
-        engine = RankEngine(loaded.model, device, rank)
+        # every rank, once; also the barrier between measuring free memory and allocating the pools
+        dist.all_gather_object(per_rank, (loaded.stats.bytes_read, residency.extra_bytes, available))
+        engine = RankEngine(loaded.model, device, rank, num_blocks=available, block_size=cfg.kv_block_size)
+        release_freed_memory()
+        shards = tensor_bytes(loaded.model)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        engine.memory = MemoryReport(shards=shards, resident=residency.extra_bytes, kv_pool=engine.cache.nbytes,
+                                     ring=shm_pool, ring_sharers=local_ranks)
         channel = ControlChannel(cfg.collective_timeout_s)
         if rank == 0:
             limits = _resolve_limits(cfg, loaded.config)
+            pools = [BlockPool(blocks, cfg.kv_block_size, prefix_caching=cfg.prefix_caching)
+                     for _, _, blocks in per_rank]
             scheduler = Scheduler(
-                loaded.tokenizer, world_size=world_size, max_running=limits.max_concurrent_requests,
-                max_queued=limits.max_queued_requests,
-                max_total_tokens=limits.max_total_tokens, eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer),
-                metrics=state.metrics,
+                pools=pools, replicas=_replicas(mesh_shape), max_running=limits.max_concurrent_requests,
+                max_queued=limits.max_queued_requests, max_total_tokens=limits.max_total_tokens,
+                max_prefill_tokens=cfg.max_batch_prefill_tokens,
+                eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer), metrics=state.metrics,
             )
-            state.metrics.load_seconds.set(loaded.stats.phase_seconds["total"])
-            state.metrics.loaded_bytes.set(sum(bytes_per_rank))
-            state.residency = dict(residency.as_dict(), extra_bytes_per_rank=[extra for _, extra in per_rank],
-                                   prefetch_depth=cfg.prefetch_depth,
-                                   all_gather="shm" if shm_pool is not None else "group")
-            state.metrics.resident_units.set(len(residency.units))
-            state.metrics.sharded_units.set(residency.total_units)
-            for r, (_, extra) in enumerate(per_rank):
-                state.metrics.resident_bytes.labels(rank=str(r)).set(extra)
-            state.metrics.running.set_function(lambda: scheduler.num_running)
-            state.metrics.waiting.set_function(lambda: scheduler.num_waiting)
-            state.dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+            logger.info("KV cache: %s blocks of %d tokens per rank (%.1f MB per rank, %d bytes per token)",
+                        "/".join(str(b) for _, _, b in per_rank), cfg.kv_block_size, engine.cache.nbytes / 1e6,
+                        geometry.bytes_per_token)
+            _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg)
+            state.kv_tokens_per_rank = max(b for _, _, b in per_rank) * cfg.kv_block_size
+            if state.kv_tokens_per_rank < limits.max_total_tokens:
+                logger.warning("the KV cache holds %d tokens per rank, fewer than --max-total-tokens %d: longer "
+                               "sequences are refused (raise --kv-cache-memory)", state.kv_tokens_per_rank,
+                               limits.max_total_tokens)
+            state.special_ids = frozenset(getattr(loaded.tokenizer, "all_special_ids", ()))
             state.limits, state.tokenizer, state.scheduler = limits, loaded.tokenizer, scheduler
             state.sampling_defaults = sampling_defaults(loaded.model)
+            if state.sampling_defaults:
+                logger.info("generation_config.json's sampling defaults apply to OpenAI requests that leave them "
+                            "unset: %s", state.sampling_defaults)
             state.set_phase("warming_up")
             _install_drain_handler(scheduler, state, cfg.shutdown_timeout_s)
             _warm_up(scheduler, state, world_size)
@@ -157,6 +176,28 @@ def serve_rank(cfg: ServeConfig, source) -> None:
             shm_pool.close()
         if http is not None:
             http.should_exit = True
+
+
+def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg) -> None:
+    """Rank 0: what /info and /metrics report of the loaded group."""
+    state.metrics.load_seconds.set(loaded.stats.phase_seconds["total"])
+    state.metrics.loaded_bytes.set(sum(read for read, _, _ in per_rank))
+    state.residency = dict(residency.as_dict(), extra_bytes_per_rank=[extra for _, extra, _ in per_rank],
+                           prefetch_depth=cfg.prefetch_depth, all_gather="shm" if shm_pool is not None else "group")
+    state.metrics.resident_units.set(len(residency.units))
+    state.metrics.sharded_units.set(residency.total_units)
+    for r, (_, extra, _) in enumerate(per_rank):
+        state.metrics.resident_bytes.labels(rank=str(r)).set(extra)
+    state.metrics.running.set_function(lambda: scheduler.num_running)
+    state.metrics.waiting.set_function(lambda: scheduler.num_waiting)
+    for r in range(len(per_rank)):
+        for kind in ("total", "used", "cached"):
+            state.metrics.kv_blocks.labels(str(r), kind).set_function(
+                lambda r=r, kind=kind: scheduler.kv_report()[r][f"blocks_{kind}"])
+        for kind in ("shards", "resident", "gather_ring_share", "kv_pool", "runtime", "rss", "pss"):
+            state.metrics.rank_memory.labels(str(r), kind).set_function(
+                lambda r=r, kind=kind: (scheduler.rank_memory[r] or {}).get(kind, 0))
+    state.dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
 
 
 def _fail_open_requests(state, scheduler, reason: str) -> None:

@@ -46,6 +46,17 @@ class ServerMetrics:
                                     "Units that keep their gathered parameters (--resident-units)", registry=r)
         self.resident_bytes = Gauge("hsdp_resident_bytes",
                                     "Memory a rank holds for resident units beyond its shards", ["rank"], registry=r)
+        self.prefix_queried_tokens = Counter("hsdp_prefix_cache_queried_tokens",
+                                             "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hit_tokens = Counter("hsdp_prefix_cache_hit_tokens",
+                                         "Prompt tokens found in the prefix cache (not computed again)", registry=r)
+        self.preemptions = Counter("hsdp_preemptions", "Sequences preempted for want of KV blocks "
+                                   "(recomputed later)", registry=r)
+        self.kv_blocks = Gauge("hsdp_kv_blocks", "KV cache blocks per rank by state: total, used, cached",
+                               ["rank", "state"], registry=r)
+        self.rank_memory = Gauge("hsdp_rank_memory_bytes", "Each rank's memory by kind: shards, resident, "
+                                 "gather_ring_share, kv_pool, runtime, and the process's rss and pss "
+                                 "(reported every few seconds)", ["rank", "kind"], registry=r)
         self.failures = Counter("hsdp_failures", "Failed requests by reason", ["reason"], registry=r)
 
     def endpoint_label(self, path: str) -> str:

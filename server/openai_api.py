@@ -20,9 +20,9 @@ from fastapi.responses import StreamingResponse
 
 from server.errors import GenerationError, InputValidationError, ModelNotFoundError, error_body
 from server.generation import RequestStream, check_admission
+from server.engine.sampling import SamplingParams
+from server.engine.scheduler import TokenEvent
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage
-from server.sampling import SamplingParams
-from server.scheduler import TokenEvent
 from server.state import ServerState
 
 # Used when the tokenizer has no chat template of its own (documented in the README).
@@ -71,9 +71,7 @@ def _cut_at_stop(text: str, stops: list[str]) -> str:
 
 
 def _held_back(text: str, stops: list[str]) -> int:
-    """Characters at the end of ``text`` that may still become a stop sequence (or a split character)."""
-    if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next token
-        return len(text) - len(text.rstrip("\ufffd"))
+    """Characters at the end of ``text`` that may still become a stop sequence."""
     keep = 0
     for stop in stops:
         for n in range(min(len(stop) - 1, len(text)), keep, -1):
@@ -84,30 +82,31 @@ def _held_back(text: str, stops: list[str]) -> int:
 
 
 class _TextDeltas:
-    """Streamed text never shows a stop sequence, nor the part of one that may still complete."""
+    """Streamed text never shows a stop sequence, nor the part of one that may still complete.
+    Only what is held back is looked at again: the cost per token does not grow with the text."""
 
     def __init__(self, stops: list[str]):
-        self.stops, self.sent = stops, 0
+        self.stops, self.held = stops, ""
 
     def next(self, event: TokenEvent) -> str:
-        if event.finish is not None:
-            final = _cut_at_stop(event.full_text, self.stops)
-        else:
-            visible = _cut_at_stop(event.full_text, self.stops)
-            final = visible[: len(visible) - _held_back(visible, self.stops)]
-        delta = final[self.sent:] if len(final) > self.sent else ""
-        self.sent += len(delta)
-        return delta
+        held = self.held + event.text
+        cuts = [held.find(s) for s in self.stops if s in held]
+        if cuts:
+            self.held = ""
+            return held[: min(cuts)]
+        keep = 0 if event.finish is not None else _held_back(held, self.stops)
+        self.held = held[len(held) - keep:] if keep else ""
+        return held[: len(held) - keep]
 
 
 def _finish_reason(event: TokenEvent) -> str:
-    return "length" if event.finish.reason == "length" else "stop"
+    return "length" if event.finish == "length" else "stop"
 
 
 def _usage(stream: RequestStream) -> dict:
-    h = stream.handle
-    return Usage(prompt_tokens=len(h.prompt_ids), completion_tokens=len(h.generated),
-                 total_tokens=len(h.prompt_ids) + len(h.generated)).model_dump()
+    prompt = len(stream.handle.prompt_ids)
+    return Usage(prompt_tokens=prompt, completion_tokens=stream.num_tokens,
+                 total_tokens=prompt + stream.num_tokens).model_dump()
 
 
 def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
@@ -151,7 +150,7 @@ def build_openai_router(state: ServerState) -> APIRouter:
         if req.stream:
             return StreamingResponse(stream_chunks(stream, req, chunk, path), media_type="text/event-stream")
         events = await stream.collect(request)
-        text = _cut_at_stop(events[-1].full_text, req.stop_list)
+        text = _cut_at_stop(stream.text, req.stop_list)
         return {"id": rid, "object": obj, "created": now, "model": state.model_name,
                 "choices": [make_choice(text, events)], "usage": _usage(stream)}
 
@@ -171,10 +170,11 @@ def build_openai_router(state: ServerState) -> APIRouter:
         def logprobs_of(events: list[TokenEvent]) -> dict | None:
             if req.logprobs is None:
                 return None
+            decode = state.tokenizer.decode
             return {
-                "tokens": [e.text for e in events],
+                "tokens": [e.token_text for e in events],
                 "token_logprobs": [e.logprob for e in events],
-                "top_logprobs": [{text: lp for _, text, lp in e.top} for e in events],
+                "top_logprobs": [{decode([t]): lp for t, lp in e.top} for e in events],
                 "text_offset": [],
             }
 
@@ -203,9 +203,11 @@ def build_openai_router(state: ServerState) -> APIRouter:
         def logprobs_of(events: list[TokenEvent]) -> dict | None:
             if not req.logprobs:
                 return None
+            decode = state.tokenizer.decode
             return {"content": [
-                {"token": e.text, "logprob": e.logprob, "bytes": list(e.text.encode()),
-                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for _, t, lp in e.top]}
+                {"token": e.token_text, "logprob": e.logprob, "bytes": list(e.token_text.encode()),
+                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+                                  for t, lp in ((decode([i]), lp) for i, lp in e.top)]}
                 for e in events
             ]}
 

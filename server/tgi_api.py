@@ -20,13 +20,13 @@ from server.protocol import (
     StreamResponse,
     Token,
 )
-from server.sampling import SamplingParams
-from server.scheduler import TokenEvent
+from server.engine.sampling import SamplingParams
+from server.engine.scheduler import TokenEvent
 from server.state import ServerState
 
 
 def _token(event: TokenEvent) -> Token:
-    return Token(id=event.id, text=event.text, logprob=event.logprob, special=event.special)
+    return Token(id=event.id, text=event.token_text, logprob=event.logprob, special=event.special)
 
 
 def _start(state: ServerState, body: GenerateRequest) -> tuple[RequestStream, float]:
@@ -53,12 +53,12 @@ def build_tgi_router(state: ServerState) -> APIRouter:
         tokens: list[Token] = []
         for event in await stream.collect(request):
             tokens.append(_token(event))
-            if (finish := event.finish) is not None:
+            if event.finish is not None:
                 details = None
                 if body.parameters.details:
-                    details = Details(finish_reason=finish.reason, generated_tokens=finish.generated_tokens,
-                                      seed=finish.seed, tokens=tokens)
-                response = GenerateResponse(generated_text=_full_text(body, finish.generated_text), details=details)
+                    details = Details(finish_reason=event.finish, generated_tokens=stream.num_tokens,
+                                      seed=stream.seed, tokens=tokens)
+                response = GenerateResponse(generated_text=_full_text(body, stream.text), details=details)
                 return JSONResponse(response.model_dump(), headers=stream.timing_headers(validation_s))
         raise GenerationError("generation ended without a result")
 
@@ -71,11 +71,11 @@ def build_tgi_router(state: ServerState) -> APIRouter:
                 async for event in stream.events():
                     index += 1
                     text = details = None
-                    if (finish := event.finish) is not None:
+                    if event.finish is not None:
                         # The last event also carries the whole text and the details.
-                        text = _full_text(body, finish.generated_text)
-                        details = StreamDetails(finish_reason=finish.reason,
-                                                generated_tokens=finish.generated_tokens, seed=finish.seed)
+                        text = _full_text(body, stream.text)
+                        details = StreamDetails(finish_reason=event.finish, generated_tokens=stream.num_tokens,
+                                                seed=stream.seed)
                     event_out = StreamResponse(index=index, token=_token(event), generated_text=text, details=details)
                     yield f"data: {event_out.model_dump_json()}\n\n"
             except GenerationError as e:

@@ -9,6 +9,7 @@ from shard_engine.overlap import (
     disable_forward_prefetch,
     enable_forward_prefetch,
     fsdp_units,
+    local_parameter_bytes,
     set_resident_units,
 )
 from shard_engine.shm_all_gather import (
@@ -53,6 +54,7 @@ __all__ = [
     "find_ignored_param_names",
     "fsdp_units",
     "hsdp_root_unsharded",
+    "local_parameter_bytes",
     "prepare_hsdp_shard_context",
     "select_units",
     "set_resident_units",

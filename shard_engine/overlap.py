@@ -125,6 +125,18 @@ def unit_gathered_bytes(unit: FSDPModule) -> tuple[int, int]:
     return gathered, local
 
 
+def local_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this rank holds: its shard of each sharded parameter, and the whole of
+    each replicated (ignored) one. Gathered copies (resident units, prefetch) are not counted."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    return total
+
+
 def _param_device(model: nn.Module) -> torch.device:
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")

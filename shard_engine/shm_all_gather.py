@@ -67,6 +67,11 @@ class SharedMemoryPool:
             self._buffers[slot] = current = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         return current[:nbytes].view(dtype)
 
+    @property
+    def nbytes(self) -> int:
+        """Shared memory the ring maps now (every rank of the host maps the same pages)."""
+        return sum(b.numel() for b in self._buffers if b is not None)
+
     def close(self) -> None:
         self._buffers = [None] * self.slots
         shutil.rmtree(self.directory, ignore_errors=True)

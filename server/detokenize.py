@@ -1,0 +1,87 @@
+"""Text from token ids, one token at a time, on the API side (the engine deals in ids only).
+
+:class:`IncrementalDetokenizer` turns each new token into the text it adds, at a cost that does
+not grow with the length of the text so far: ``tokenizers``' ``DecodeStream`` for fast
+tokenizers (it holds back a token that ends inside a UTF-8 character until the next completes
+it), else the ids since the last piece decoded again with the piece before them as context (the
+prefix/read offsets of TGI and vLLM).
+The pieces, and :meth:`IncrementalDetokenizer.flush` at the end (bytes of an unfinished
+character, as the replacement characters a whole decode gives), concatenate to what
+``tokenizer.decode(all ids, skip_special_tokens=True)`` returns.
+
+:class:`StopSequences` finds a stop sequence in the text as it grows, looking only at the new
+piece and the few characters before it.
+"""
+
+from __future__ import annotations
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._backend = getattr(tokenizer, "_tokenizer", None)
+        self._stream = None
+        try:
+            from tokenizers import Tokenizer
+            from tokenizers.decoders import DecodeStream
+        except ImportError:  # an old tokenizers
+            DecodeStream = None  # noqa: N806
+        if DecodeStream is not None and isinstance(self._backend, Tokenizer):
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
+        self._prefix_offset = self._read_offset = 0
+        self._held: list[int] = []  # ids whose text is not out yet (DecodeStream)
+
+    def step(self, token_id: int) -> str:
+        """The text ``token_id`` adds ("" while it ends inside a character)."""
+        if self._stream is not None:
+            piece = self._stream.step(self._backend, token_id) or ""
+            if piece:
+                self._held.clear()
+            else:
+                self._held.append(token_id)
+            return piece
+        ids = self._ids
+        ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=self.skip_special_tokens)
+        text = decode(ids[self._prefix_offset:], skip_special_tokens=self.skip_special_tokens)
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        # the ids just read become the context for the next ones; older ids are never read again
+        del ids[:self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(ids)
+        return text[len(prefix):]
+
+    def flush(self) -> str:
+        """The text still held back at the end (an unfinished character: replacement characters)."""
+        held = self._held if self._stream is not None else self._ids[self._read_offset:]
+        if not held:
+            return ""
+        decode = self.tokenizer.decode
+        if self._stream is not None:
+            text = decode(held, skip_special_tokens=self.skip_special_tokens)
+        else:
+            prefix = decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=self.skip_special_tokens)
+            text = decode(self._ids[self._prefix_offset:], skip_special_tokens=self.skip_special_tokens)[len(prefix):]
+        self._held, self._ids, self._prefix_offset, self._read_offset = [], [], 0, 0
+        return text
+
+
+class StopSequences:
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self._keep = max((len(s) for s in self.stops), default=1) - 1
+        self._tail = ""  # the last characters of the text seen so far, as long as the longest stop less one
+
+    def feed(self, piece: str) -> int | None:
+        """Add ``piece``; the index in ``piece`` just after the end of the first stop sequence that
+        it completes, or None."""
+        if not self.stops or not piece:
+            return None
+        window = self._tail + piece
+        ends = [window.find(s) + len(s) for s in self.stops if s in window]
+        self._tail = window[-self._keep:] if self._keep else ""
+        if not ends:
+            return None
+        return max(0, min(ends) - (len(window) - len(piece)))

@@ -1,0 +1,69 @@
+"""What goes over the control channel each step: rank 0's plan out, every rank's tokens back.
+
+Plain dataclasses of token ids and block ids: no text, no tensors. Rank 0 owns every decision
+(which sequence runs where, which KV blocks it uses, how many of its tokens are computed this
+step); a rank keeps a mirror of its own sequences' tokens and block tables and computes what
+the plan says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from server.engine.sampling import SamplingParams
+
+
+@dataclass
+class SequenceAdd:
+    """A sequence placed on a rank. ``tokens`` are its prompt, plus what it had generated when it
+    comes back after a preemption; ``blocks`` its first KV blocks (a cached prefix among them)."""
+
+    seq_id: int
+    rank: int
+    tokens: list[int]
+    params: SamplingParams
+    blocks: list[int]
+    num_generated: int = 0
+
+
+@dataclass
+class Work:
+    """Compute ``count`` of a sequence's tokens from position ``start`` (their keys and values go
+    into its blocks, ``new_blocks`` appended first); when that reaches its last token, sample the
+    next one."""
+
+    seq_id: int
+    start: int
+    count: int
+    new_blocks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepPlan:
+    """Rank 0's decisions for one step; every rank receives the same plan."""
+
+    add: list[SequenceAdd] = field(default_factory=list)
+    remove: list[int] = field(default_factory=list)
+    work: dict[int, list[Work]] = field(default_factory=dict)  # rank -> its work
+    forward: bool = False  # some rank has work: every rank enters forward (the all-gathers are collectives)
+    shutdown: bool = False
+
+
+@dataclass
+class TokenResult:
+    seq_id: int
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+    error: str | None = None  # choosing this sequence's token failed; the sequence is dropped
+
+
+@dataclass
+class StepResult:
+    rank: int
+    tokens: list[TokenResult]
+    active: int  # sequences this rank holds after the step
+    sequences_started: int  # cumulative, for the per-rank spread
+    tokens_computed: int  # cumulative tokens this rank ran through the model
+    pid: int  # the rank's process, for operators
+    memory: dict | None = None  # the rank's memory report, every few seconds (server.memory)

@@ -1,0 +1,217 @@
+"""The per-rank engine: the sequences this rank owns, its KV pool, and one forward per step.
+
+Every rank runs exactly one forward per step that has work anywhere in the group, because the
+FSDP all-gathers inside forward are collectives. A rank computes only what the plan gives it:
+chunks of its sequences' tokens, packed into one row, their keys and values written into the
+blocks rank 0 assigned (:mod:`server.engine.attention`), and a next token for each sequence whose
+last token was computed (:mod:`server.engine.sampling`). A rank with nothing to do runs a
+one-token forward to keep the all-gathers matched.
+The engine knows nothing of HTTP, of text, or of the control channel.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from server.engine.attention import PagedKVCache, PagedLayout, use_paged_attention
+from server.engine.plan import SequenceAdd, StepPlan, StepResult, TokenResult, Work
+from server.engine.sampling import BatchSampler, Row
+
+logger = logging.getLogger(__name__)
+CPU_KV_SHARE = 0.2
+"""``--kv-cache-memory auto`` on CPU: this share of the node's available memory, split between its ranks."""
+GPU_KV_SHARE = 0.9
+GPU_ACTIVATION_HEADROOM = 1 << 30
+MEMORY_REPORT_EVERY_S = 5.0
+TRIM_WHEN_IDLE_EVERY_S = 10.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVGeometry:
+    """What one token of KV cache costs on a rank, from the model's config."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @classmethod
+    def of(cls, model: nn.Module) -> KVGeometry:
+        config = model.config.get_text_config()
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        return cls(num_layers=config.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+
+
+def size_kv_pool(budget_bytes: int | None, geometry: KVGeometry, block_size: int, device: torch.device) -> int:
+    """Blocks of ``block_size`` tokens this rank's KV pool holds: ``budget_bytes``, or for None
+    (``auto``) a share of the memory available now (the loaded model and gather buffers already
+    taken). Raises ValueError when not even one block fits."""
+    block_bytes = geometry.bytes_per_token * block_size
+    if budget_bytes is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget_bytes = int((free - GPU_ACTIVATION_HEADROOM) * GPU_KV_SHARE)
+        else:
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            budget_bytes = int(_available_memory() * CPU_KV_SHARE / local_ranks)
+    blocks = budget_bytes // block_bytes
+    if blocks < 1:
+        raise ValueError(f"--kv-cache-memory: {budget_bytes} bytes hold no KV block of {block_size} tokens "
+                         f"({block_bytes} bytes)")
+    return blocks
+
+
+def _available_memory() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), in bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+class _Sequence:
+    __slots__ = ("seq_id", "tokens", "blocks", "params", "num_generated")
+
+    def __init__(self, add: SequenceAdd):
+        self.seq_id = add.seq_id
+        self.tokens = list(add.tokens)
+        self.blocks = list(add.blocks)
+        self.params = add.params
+        self.num_generated = add.num_generated
+
+
+class RankEngine:
+    def __init__(self, model: nn.Module, device: torch.device, rank: int, *, num_blocks: int, block_size: int):
+        self.model, self.device, self.rank = model, device, rank
+        self.block_size = block_size
+        geometry = KVGeometry.of(model)
+        self.cache = PagedKVCache(num_layers=geometry.num_layers, num_blocks=num_blocks, block_size=block_size,
+                                  kv_heads=geometry.kv_heads, head_dim=geometry.head_dim, dtype=geometry.dtype,
+                                  device=device)
+        use_paged_attention(model)
+        self.sampler = BatchSampler()
+        self.sequences: dict[int, _Sequence] = {}
+        self.sequences_started = 0
+        self.tokens_computed = 0
+        self.forwards = 0
+        self.fault_at = _injected_fault(rank)
+        self.memory = None  # a server.memory.MemoryReport, reported every few seconds
+        self._reported_at = 0.0
+        self._trimmed_at, self._forwards_at_trim = 0.0, 0
+
+    def step(self, plan: StepPlan) -> StepResult:
+        for seq_id in plan.remove:
+            self.sequences.pop(seq_id, None)
+        for add in plan.add:
+            if add.rank == self.rank:
+                self.sequences[add.seq_id] = _Sequence(add)
+                self.sequences_started += 1
+        tokens: list[TokenResult] = []
+        if plan.forward:
+            self.forwards += 1
+            if self.fault_at is not None and self.forwards >= self.fault_at:
+                raise RuntimeError(f"injected fault in forward {self.forwards} on rank {self.rank}")
+            work = plan.work.get(self.rank)
+            tokens = self._forward(work) if work else self._idle_forward()
+        elif self.forwards != self._forwards_at_trim and time.monotonic() - self._trimmed_at > TRIM_WHEN_IDLE_EVERY_S:
+            # idle after work: what a burst's activations left in the allocator goes back to the system
+            from server.memory import release_freed_memory
+
+            release_freed_memory()
+            self._trimmed_at, self._forwards_at_trim = time.monotonic(), self.forwards
+        result = StepResult(
+            self.rank, tokens, len(self.sequences), self.sequences_started, self.tokens_computed, os.getpid()
+        )
+        if self.memory is not None and time.monotonic() - self._reported_at > MEMORY_REPORT_EVERY_S:
+            self._reported_at = time.monotonic()
+            result.memory = self.memory.snapshot()
+        return result
+
+    @torch.no_grad()
+    def _idle_forward(self) -> list[TokenResult]:
+        # Matches the other ranks' all-gathers; the result is discarded.
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        return []
+
+    @torch.no_grad()
+    def _forward(self, work: list[Work]) -> list[TokenResult]:
+        ids, positions, items, sample_rows, sampling = [], [], [], [], []
+        for w in work:
+            seq = self.sequences[w.seq_id]
+            seq.blocks += w.new_blocks
+            assert w.start + w.count <= len(seq.tokens), (w, len(seq.tokens))
+            ids += seq.tokens[w.start:w.start + w.count]
+            positions += range(w.start, w.start + w.count)
+            items.append((w.start, w.count, seq.blocks))
+            if w.start + w.count == len(seq.tokens):  # its last token: a next one is due
+                sample_rows.append(len(ids) - 1)
+                sampling.append(seq)
+        layout = PagedLayout.build(items, self.block_size, self.device)
+        self.cache.layout = layout
+        out = self.model(
+            input_ids=torch.tensor([ids], device=self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            hsdp_paged=layout,
+        )
+        self.cache.layout = None
+        self.tokens_computed += len(ids)
+        if not sampling:
+            return []
+        rows = [Row(s.params, s.tokens, s.num_generated) for s in sampling]
+        try:
+            chosen = self.sampler.sample(out.logits[0], rows)
+        except Exception:  # noqa: BLE001 - find the row at fault; the others go on
+            chosen = [self._sample_alone(out.logits[0][i:i + 1], row) for i, row in enumerate(rows)]
+        results = []
+        for seq, pick in zip(sampling, chosen):
+            if isinstance(pick, str):
+                results.append(TokenResult(seq.seq_id, -1, 0.0, error=pick))
+                del self.sequences[seq.seq_id]
+                continue
+            token, logprob, top = pick
+            seq.tokens.append(token)
+            seq.num_generated += 1
+            results.append(TokenResult(seq.seq_id, token, logprob, top))
+        return results
+
+    def _sample_alone(self, logits_1V, row: Row):
+        try:
+            return self.sampler.sample(logits_1V, [row])[0]
+        except Exception as e:  # noqa: BLE001 - one sequence's bad parameters must not stop the group
+            return f"{type(e).__name__}: {e}"
+
+
+FAULT_ENV = "HSDP_INJECT_FORWARD_FAULT"
+
+
+def _injected_fault(rank: int) -> int | None:
+    """Fault injection for failure tests: ``HSDP_INJECT_FORWARD_FAULT=RANK:N`` makes that rank's
+    N-th forward (counting one-token idle forwards) raise, as an out-of-memory error would."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    target, _, count = spec.partition(":")
+    return int(count or 1) if int(target) == rank else None

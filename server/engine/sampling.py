@@ -1,0 +1,183 @@
+"""Next tokens for a batch of sequences, each with its own sampling parameters, in one pass.
+
+:class:`BatchSampler` applies what transformers' logits processors do (repetition penalty,
+temperature, top-k, top-p, min-p, in ``generate``'s order) to every row at once with per-row
+parameters; :func:`build_logits_processors` builds transformers' own for one request, the
+reference the tests compare with. A sampled token is drawn by inverse CDF from one uniform number
+that depends only on the request's seed and the token's index, so a seeded request replays the
+same tokens whatever it is batched with, and after a preemption. The chosen token's logprob (under
+the model, before the processors) costs one logsumexp per row; the full log-softmax and the top
+alternatives are computed only for rows that asked for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """What one request asks of the decoder; validated at the HTTP layer."""
+
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    top_logprobs: int = 0
+    """Also return the log-probabilities of this many most likely tokens at each step."""
+
+    @property
+    def samples(self) -> bool:
+        # As in text-generation-inference: sampling when asked, or when any warper is active.
+        return (
+            self.do_sample
+            or (self.temperature is not None and self.temperature != 1.0)
+            or (self.top_k is not None and self.top_k > 0)
+            or (self.top_p is not None and self.top_p < 1.0)
+            or (self.min_p is not None and self.min_p > 0.0)
+        )
+
+
+def build_logits_processors(params: SamplingParams):
+    """transformers' processors for ``params``, in the order ``generate`` applies them."""
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    processors = LogitsProcessorList()
+    if params.repetition_penalty is not None and params.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(penalty=params.repetition_penalty))
+    if params.samples:
+        if params.temperature is not None and params.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_k is not None and params.top_k > 0:
+            processors.append(TopKLogitsWarper(top_k=params.top_k))
+        if params.top_p is not None and params.top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p=params.top_p))
+        if params.min_p is not None and params.min_p > 0.0:
+            processors.append(MinPLogitsWarper(min_p=params.min_p))
+    return processors
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The generator seed of token ``index`` of a request seeded ``seed`` (splitmix64 of both)."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & (_MASK64 >> 1)
+
+
+class Row:
+    """One sequence to sample for: its parameters, its tokens so far, and how many of them it generated."""
+
+    __slots__ = ("params", "tokens", "num_generated")
+
+    def __init__(self, params: SamplingParams, tokens: list[int], num_generated: int):
+        self.params, self.tokens, self.num_generated = params, tokens, num_generated
+
+
+class BatchSampler:
+    def __init__(self):
+        self._generator = torch.Generator()
+
+    def sample(self, logits_NV: torch.Tensor, rows: list[Row]) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """Per row: the next token, its log-probability under the model, and the ``top_logprobs``
+        most likely tokens with theirs."""
+        logits_NV = logits_NV.float()
+        scores_NV = self._process(logits_NV, rows)
+        tokens_N = torch.argmax(scores_NV, dim=-1)
+        sampled = [i for i, row in enumerate(rows) if row.params.samples]
+        if sampled:
+            index = torch.tensor(sampled, device=logits_NV.device)
+            probs_MV = torch.softmax(scores_NV.index_select(0, index), dim=-1)
+            uniform_M = torch.tensor([self._uniform(rows[i]) for i in sampled], device=logits_NV.device)
+            cdf_MV = torch.cumsum(probs_MV, dim=-1)
+            drawn_M = torch.searchsorted(cdf_MV, (uniform_M * cdf_MV[:, -1]).unsqueeze(1), right=True).squeeze(1)
+            drawn_M = drawn_M.clamp_(max=probs_MV.shape[1] - 1)
+            # A distribution degenerate past float range (temperature -> 0 and the like) has greedy
+            # as its limit: the most likely token under the model.
+            finite_M = torch.isfinite(probs_MV).all(dim=-1)
+            greedy_M = torch.argmax(logits_NV.index_select(0, index), dim=-1)
+            tokens_N.index_copy_(0, index, torch.where(finite_M, drawn_M, greedy_M))
+        chosen_N1 = tokens_N.unsqueeze(1)
+        logprob_N = (logits_NV.gather(1, chosen_N1).squeeze(1) - torch.logsumexp(logits_NV, dim=-1)).tolist()
+        tokens = tokens_N.tolist()
+        out = []
+        for i, row in enumerate(rows):
+            top: list[tuple[int, float]] = []
+            if row.params.top_logprobs:
+                values, indices = torch.topk(torch.log_softmax(logits_NV[i], dim=-1), row.params.top_logprobs)
+                top = list(zip(indices.tolist(), values.tolist()))
+            out.append((tokens[i], logprob_N[i], top))
+        return out
+
+    def _uniform(self, row: Row) -> float:
+        seed = row.params.seed if row.params.seed is not None else 0
+        self._generator.manual_seed(token_seed(seed, row.num_generated))
+        return float(torch.rand((), generator=self._generator))
+
+    @staticmethod
+    def _process(logits_NV: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """transformers' processors, row-wise parameters, in generate's order."""
+        scores = logits_NV
+        vocab = scores.shape[1]
+        device = scores.device
+
+        def column(values, fill):
+            return torch.tensor([fill if v is None else v for v in values], dtype=scores.dtype, device=device)
+
+        penalised = [i for i, r in enumerate(rows) if r.params.repetition_penalty not in (None, 1.0)]
+        if penalised:
+            width = max(len(rows[i].tokens) for i in penalised)
+            ids = torch.full((len(penalised), width), vocab, dtype=torch.long)  # vocab: a padding column
+            for j, i in enumerate(penalised):
+                ids[j, : len(rows[i].tokens)] = torch.tensor(rows[i].tokens).clamp_(max=vocab)
+            ids = ids.to(device)
+            index = torch.tensor(penalised, device=device)
+            sub = torch.nn.functional.pad(scores.index_select(0, index), (0, 1))
+            penalty = column([rows[i].params.repetition_penalty for i in penalised], 1.0)[:, None]
+            picked = sub.gather(1, ids)
+            sub = sub.scatter(1, ids, torch.where(picked < 0, picked * penalty, picked / penalty))
+            scores = scores.index_copy(0, index, sub[:, :vocab])
+        warped = [i for i, r in enumerate(rows) if r.params.samples]
+        if not warped:
+            return scores
+        index = torch.tensor(warped, device=device)
+        params = [rows[i].params for i in warped]
+        sub = scores.index_select(0, index)
+        temperature = column([p.temperature if p.temperature not in (None, 1.0) else None for p in params], 1.0)
+        sub = sub / temperature[:, None]
+        inf = float("-inf")
+        top_k = [p.top_k if p.top_k and p.top_k > 0 else None for p in params]
+        if any(k is not None for k in top_k):
+            k = torch.tensor([min(k or vocab, vocab) for k in top_k], device=device)
+            kth = torch.sort(sub, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+            sub = sub.masked_fill(sub < kth, inf)
+        top_p = [p.top_p if p.top_p is not None and p.top_p < 1.0 else None for p in params]
+        if any(p is not None for p in top_p):
+            threshold = 1 - column(top_p, 1.0)[:, None]
+            sorted_logits, sorted_index = torch.sort(sub, descending=False)
+            remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= threshold
+            remove[:, -1] = False
+            sub = sub.masked_fill(remove.scatter(1, sorted_index, remove), inf)
+        min_p = [p.min_p if p.min_p else None for p in params]
+        if any(p is not None for p in min_p):
+            probs = torch.softmax(sub, dim=-1)
+            remove = probs < column(min_p, 0.0)[:, None] * probs.amax(dim=-1, keepdim=True)
+            remove.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
+            sub = sub.masked_fill(remove, inf)
+        return scores.index_copy(0, index, sub)

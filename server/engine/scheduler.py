@@ -1,0 +1,446 @@
+"""Rank 0's scheduler: admits requests by KV blocks, places them, plans every rank's step.
+
+Token ids only: text is the API side's business (``server.detokenize``). Each step:
+
+1. every running sequence that has computed all its tokens decodes one more; one that crosses
+   into a new block gets one, and when its rank has none left the youngest sequence there is
+   preempted (its blocks freed, its tokens recomputed later), so the cache never overflows;
+2. waiting requests are admitted in arrival order while one fits: the replica with the most
+   free blocks first, then within it the rank holding the longest cached prefix of the prompt,
+   then the most free blocks. All of a prompt's blocks are taken at admission;
+3. prompts are computed in chunks: at most ``max_prefill_tokens`` prompt tokens per rank per
+   step, new requests' first chunks before the rest of longer prompts, while decodes go on.
+
+Runs on rank 0's engine thread; HTTP handlers talk to it only through ``try_submit``, ``cancel``
+and ``finish``, which are thread-safe.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from server.engine.blocks import BlockPool, chain_hashes
+from server.engine.plan import SequenceAdd, StepPlan, StepResult, Work
+from server.engine.sampling import SamplingParams
+
+
+@dataclass
+class TokenEvent:
+    """One generated token, from the engine thread to the request's API handler. The handler's
+    detokenizer fills ``text`` (what this token adds to the text) and ``token_text`` (the token
+    on its own); ``finish`` is set on the request's last token."""
+
+    id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (id, logprob)
+    finish: str | None = None  # length | eos_token | stop_sequence
+    text: str = ""
+    token_text: str = ""
+    special: bool = False
+
+
+@dataclass
+class ErrorEvent:
+    message: str
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """One request as rank 0 sees it. ``deliver`` is called on the engine thread."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    deliver: Callable[[object], None]
+    tokens: list[int] = field(default_factory=list)  # prompt, then what was generated
+    seq_id: int = -1
+    rank: int = -1
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose keys and values are in the cache
+    num_registered: int = 0  # full blocks entered in the prefix cache
+    last_key: bytes = b""  # the prefix key of the last of those
+    cancelled: bool = False
+    done: bool = False
+    finish_reason: str | None = None
+    submitted_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt_ids)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids):]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        pools: list[BlockPool],
+        replicas: list[list[int]],
+        max_running: int,
+        max_total_tokens: int,
+        eos_token_ids: set[int],
+        max_prefill_tokens: int = 512,
+        max_queued: int = 256,
+        idle_wait_s: float = 1.0,
+        metrics=None,
+    ):
+        self.pools = pools
+        self.world_size = len(pools)
+        self.block_size = pools[0].block_size
+        self.replicas = replicas
+        self.max_running = max_running
+        self.max_queued = max_queued
+        self.max_total_tokens = max_total_tokens
+        self.max_prefill_tokens = max_prefill_tokens
+        self.eos_token_ids = eos_token_ids
+        self.idle_wait_s = idle_wait_s
+        self.metrics = metrics
+        self._open = 0  # requests submitted and not yet finished or cancelled
+        self._open_lock = threading.Lock()
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: collections.deque[RequestHandle] = collections.deque()
+        self._running: dict[int, RequestHandle] = {}  # seq_id -> handle, in admission order
+        self._to_remove: list[RequestHandle] = []
+        self._ids = itertools.count()
+        self._shutdown = threading.Event()
+        self._shutdown_deadline = float("inf")
+        self.rank_stats: list[StepResult | None] = [None] * self.world_size
+        self.rank_memory: list[dict | None] = [None] * self.world_size  # each rank's latest memory report
+        self.preemptions = 0
+
+    # -- thread-safe entry points ------------------------------------------------------------
+    def submit(self, handle: RequestHandle) -> None:
+        """Queue ``handle`` whatever the load (warm-up); requests go through ``try_submit``."""
+        with self._open_lock:
+            self._open += 1
+        self._inbox.put(("submit", handle))
+
+    def try_submit(self, handle: RequestHandle) -> bool:
+        """Queue ``handle`` unless running and waiting requests are both at their bounds."""
+        with self._open_lock:
+            if self._open >= self.max_running + self.max_queued:
+                return False
+            self._open += 1
+        self._inbox.put(("submit", handle))
+        return True
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """The client went away: free the sequence at the next step."""
+        self._inbox.put(("cancel", handle))
+
+    def finish(self, handle: RequestHandle) -> None:
+        """The API side ended the request (a stop sequence): free it at the next step."""
+        self._inbox.put(("finish", handle))
+
+    def request_shutdown(self, timeout_s: float = float("inf")) -> None:
+        """Stop once the open requests have finished, or after ``timeout_s`` whatever remains."""
+        self._shutdown_deadline = time.monotonic() + timeout_s
+        self._shutdown.set()
+        self._inbox.put(("wake", None))
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def fits_ever(self, tokens: int) -> bool:
+        """Whether a sequence of ``tokens`` tokens fits some rank's whole KV pool."""
+        return -(-tokens // self.block_size) <= max(p.num_blocks for p in self.pools)
+
+    # -- engine thread ---------------------------------------------------------------------
+    def next_plan(self) -> StepPlan:
+        """The plan for the next step; blocks up to ``idle_wait_s`` while nothing runs."""
+        idle = not self._running and not self._waiting and not self._to_remove
+        self._drain_inbox(block=idle)
+        plan = StepPlan()
+        for handle in self._to_remove:
+            self._release(handle, plan)
+        self._to_remove = []
+        budget = [self.max_prefill_tokens] * self.world_size
+        continuing = self._plan_decodes(plan)
+        self._admit(plan, budget)
+        for handle in continuing:  # the rest of longer prompts, after new requests' first chunks
+            self._plan_chunk(handle, plan, budget)
+        plan.forward = any(plan.work.values())
+        if self._shutdown.is_set() and time.monotonic() > self._shutdown_deadline:
+            self.fail_all("the server is shutting down: the shutdown timeout cut this request short")
+        plan.shutdown = self._shutdown.is_set() and not self._running and not self._waiting
+        return plan
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=self.idle_wait_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, handle = item
+            if kind == "submit":
+                handle.tokens = list(handle.prompt_ids)
+                self._waiting.append(handle)
+            elif kind in ("cancel", "finish"):
+                self._end(handle, cancelled=kind == "cancel")
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _end(self, handle: RequestHandle, *, cancelled: bool) -> None:
+        if handle.done:
+            return
+        handle.cancelled = cancelled
+        self._close(handle)
+        if handle.seq_id in self._running:
+            self._to_remove.append(handle)  # freed on its rank at the next step
+        else:
+            try:
+                self._waiting.remove(handle)
+            except ValueError:
+                pass
+
+    def _close(self, handle: RequestHandle) -> None:
+        handle.done = True
+        with self._open_lock:
+            self._open -= 1
+
+    def _release(self, handle: RequestHandle, plan: StepPlan) -> None:
+        """Take ``handle``'s sequence off its rank and give its blocks back."""
+        if self._running.pop(handle.seq_id, None) is None:
+            return
+        plan.remove.append(handle.seq_id)
+        self.pools[handle.rank].release(handle.blocks)
+        handle.blocks = []
+
+    # -- planning ----------------------------------------------------------------------------
+    def _plan_decodes(self, plan: StepPlan) -> list[RequestHandle]:
+        """One token for every sequence whose tokens are all computed; returns those still in
+        their prompt, oldest first."""
+        continuing = []
+        for handle in list(self._running.values()):
+            if handle.seq_id not in self._running:  # preempted earlier in this loop
+                continue
+            remaining = len(handle.tokens) - handle.num_computed
+            if remaining > 1:
+                continuing.append(handle)
+                continue
+            new_blocks = self._grow(handle, plan)
+            if new_blocks is None:  # preempted itself
+                continue
+            plan.work.setdefault(handle.rank, []).append(Work(handle.seq_id, handle.num_computed, 1, new_blocks))
+            handle.num_computed += 1
+        return continuing
+
+    def _grow(self, handle: RequestHandle, plan: StepPlan) -> list[int] | None:
+        """The blocks ``handle`` needs for one more token, preempting the youngest sequences of
+        its rank while none is free; None if ``handle`` itself was the one preempted."""
+        pool = self.pools[handle.rank]
+        need = -(-(handle.num_computed + 1) // self.block_size) - len(handle.blocks)
+        new = []
+        while len(new) < need:
+            block = pool.allocate()
+            if block is not None:
+                new.append(block)
+                continue
+            victim = self._youngest_on(handle.rank)
+            self._preempt(victim, plan)
+            if victim is handle:
+                pool.release(new)
+                return None
+        handle.blocks += new
+        return new
+
+    def _youngest_on(self, rank: int) -> RequestHandle:
+        return next(h for h in reversed(self._running.values()) if h.rank == rank)
+
+    def _preempt(self, handle: RequestHandle, plan: StepPlan) -> None:
+        """Free ``handle``'s blocks and queue it first again; its tokens so far become its prompt."""
+        self._release(handle, plan)
+        for work in plan.work.get(handle.rank, []):
+            if work.seq_id == handle.seq_id:  # planned earlier this step: undo
+                plan.work[handle.rank].remove(work)
+                break
+        handle.num_computed = handle.num_registered = 0
+        handle.last_key = b""
+        handle.preemptions += 1
+        self.preemptions += 1
+        if self.metrics is not None:
+            self.metrics.preemptions.inc()
+        self._waiting.appendleft(handle)
+
+    def _plan_chunk(self, handle: RequestHandle, plan: StepPlan, budget: list[int]) -> None:
+        if handle.seq_id not in self._running:
+            return
+        count = min(len(handle.tokens) - handle.num_computed, budget[handle.rank])
+        if count <= 0:
+            return
+        budget[handle.rank] -= count
+        plan.work.setdefault(handle.rank, []).append(Work(handle.seq_id, handle.num_computed, count))
+        handle.num_computed += count
+
+    def _admit(self, plan: StepPlan, budget: list[int]) -> None:
+        while self._waiting and len(self._running) < self.max_running:
+            handle = self._waiting[0]
+            tokens = handle.tokens
+            usable = (len(tokens) - 1) // self.block_size  # the last token is always computed
+            keys = chain_hashes(tokens[: usable * self.block_size], self.block_size)
+            placed = self._place(len(tokens), keys, budget)
+            if placed is None:
+                if not self.fits_ever(len(tokens)):  # admission checks make this rare: a long preempted sequence
+                    self._waiting.popleft()
+                    self._close(handle)
+                    handle.deliver(ErrorEvent(f"the sequence ({len(tokens)} tokens) no longer fits the KV cache"))
+                    continue
+                return  # head of line waits for blocks
+            rank, cached = placed
+            self._waiting.popleft()
+            pool = self.pools[rank]
+            pool.take(cached)
+            need = -(-len(tokens) // self.block_size) - len(cached)
+            handle.blocks = cached + [pool.allocate() for _ in range(need)]
+            pool.count_lookup(len(tokens), len(cached) * self.block_size)
+            handle.num_computed = len(cached) * self.block_size
+            handle.num_registered = len(cached)
+            handle.last_key = keys[len(cached) - 1] if cached else b""
+            handle.seq_id, handle.rank = next(self._ids), rank
+            first_time = handle.started_at is None
+            if first_time:
+                handle.started_at = time.monotonic()
+                if self.metrics is not None:
+                    self.metrics.queue_time.observe(handle.started_at - handle.submitted_at)
+                    self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
+                    self.metrics.prefix_queried_tokens.inc(len(tokens))
+                    self.metrics.prefix_hit_tokens.inc(len(cached) * self.block_size)
+            self._running[handle.seq_id] = handle
+            plan.add.append(SequenceAdd(handle.seq_id, rank, list(tokens), handle.params, list(handle.blocks),
+                                        handle.num_generated))
+            self._plan_chunk(handle, plan, budget)
+
+    def _place(self, num_tokens: int, keys: list[bytes], budget: list[int]) -> tuple[int, list[int]] | None:
+        """(rank, its cached prefix blocks) for a new sequence, or None where none fits now.
+
+        A replica first (the most available blocks), then the rank within it that holds the
+        longest cached prefix, then has the most available blocks. A rank must keep 1% of its
+        blocks for its running sequences to grow into, and have prompt budget left this step, so
+        that the first chunk runs in the very next step."""
+        blocks = -(-num_tokens // self.block_size)
+        busy = {h.rank for h in self._running.values()}
+        for replica in sorted(self.replicas, key=lambda r: -sum(self.pools[i].num_available for i in r)):
+            best = None
+            for rank in replica:
+                pool = self.pools[rank]
+                cached = pool.match_prefix(keys)
+                reserve = max(1, pool.num_blocks // 100) if rank in busy else 0
+                if blocks - len(cached) + reserve > pool.num_available - pool.count_unreferenced(cached):
+                    continue
+                if budget[rank] <= 0 and num_tokens - len(cached) * self.block_size > 1:
+                    continue
+                score = (len(cached), pool.num_available)
+                if best is None or score > best[0]:
+                    best = (score, rank, cached)
+            if best is not None:
+                return best[1], best[2]
+        return None
+
+    # -- results -----------------------------------------------------------------------------
+    def on_results(self, results: list[StepResult]) -> None:
+        for result in results:
+            self.rank_stats[result.rank] = result
+            if result.memory is not None:
+                self.rank_memory[result.rank] = result.memory
+            for token in result.tokens:
+                handle = self._running.get(token.seq_id)
+                if handle is None or handle.done:
+                    continue
+                if token.error is not None:
+                    self._close(handle)
+                    self._to_remove.append(handle)  # already dropped on its rank
+                    handle.deliver(ErrorEvent(f"generation failed: {token.error}"))
+                else:
+                    self._on_token(handle, token)
+        for handle in self._running.values():
+            self._register_blocks(handle)
+
+    def _register_blocks(self, handle: RequestHandle) -> None:
+        """Enter ``handle``'s newly completed full blocks in its rank's prefix cache."""
+        full = min(handle.num_computed // self.block_size, len(handle.blocks))
+        if full <= handle.num_registered:
+            return
+        keys = chain_hashes(handle.tokens[handle.num_registered * self.block_size: full * self.block_size],
+                            self.block_size, handle.last_key)
+        pool = self.pools[handle.rank]
+        for i, key in enumerate(keys, start=handle.num_registered):
+            pool.register(handle.blocks[i], key)
+        handle.num_registered, handle.last_key = full, keys[-1]
+
+    def _on_token(self, handle: RequestHandle, result) -> None:
+        token_id = result.token_id
+        now = time.monotonic()
+        if self.metrics is not None:
+            if handle.first_token_at is None:
+                self.metrics.time_to_first_token.observe(now - handle.submitted_at)
+            else:
+                self.metrics.inter_token_latency.observe(now - handle.last_token_at)
+            self.metrics.generated_tokens.inc()
+        if handle.first_token_at is None:
+            handle.first_token_at = now
+        handle.last_token_at = now
+        handle.tokens.append(token_id)
+        reason = None
+        if token_id in self.eos_token_ids:
+            reason = "eos_token"
+        elif handle.num_generated >= handle.params.max_new_tokens or len(handle.tokens) >= self.max_total_tokens:
+            reason = "length"
+        if reason is not None:
+            handle.finish_reason = reason
+            self._close(handle)
+            self._to_remove.append(handle)  # freed on its rank at the next step
+        handle.deliver(TokenEvent(token_id, result.logprob, result.top, reason))
+
+    def observe_step(self, *, step_s: float, control_s: float) -> None:
+        """Rank 0's timing of one step with a forward: its own engine step, and the time spent in
+        the control channel (the plan out, every rank's tokens back, waiting for the slowest)."""
+        if self.metrics is not None:
+            self.metrics.step_duration.observe(step_s)
+            self.metrics.control_duration.observe(control_s)
+
+    def fail_all(self, message: str) -> None:
+        """Answer every request still open with an error (the group is going down)."""
+        for handle in list(self._running.values()) + list(self._waiting):
+            if not handle.done:
+                self._close(handle)
+                handle.deliver(ErrorEvent(message))
+        for handle in list(self._running.values()):
+            self.pools[handle.rank].release(handle.blocks)
+            handle.blocks = []
+        self._running.clear()
+        self._waiting.clear()
+
+    def kv_report(self) -> list[dict]:
+        """Per rank: blocks total, used (referenced), cached (full blocks kept for reuse)."""
+        return [{"blocks_total": p.num_blocks, "blocks_used": p.num_used, "blocks_cached": p.num_cached,
+                 "block_size": p.block_size} for p in self.pools]
+
+
+def choose_seed(params: SamplingParams) -> SamplingParams:
+    """Sampling without a seed gets one here, so that the response can report it."""
+    if params.samples and params.seed is None:
+        params.seed = random.randrange(2**63)
+    return params

@@ -1,0 +1,191 @@
+"""The paged engine, in process: rank 0's scheduler driving rank engines over an unsharded model.
+
+Every path is forced with small pools and budgets (chunked prefill, prefix hits, preemption and
+recompute, eviction, a full cache with requests waiting, sequences finishing mid-step, several
+ranks) and the tokens are compared with transformers' greedy ``generate`` on the same model.
+"""
+
+import pytest
+import torch
+
+from tests.checkpoints import write_checkpoint
+
+EOS = 0  # the test tokenizer's <|endoftext|>: both sides stop there
+
+
+@pytest.fixture(scope="module")
+def model_and_reference(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = write_checkpoint(tmp_path_factory.mktemp("engine") / "llama", "llama")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cache = {}
+
+    def reference(prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+        key = (tuple(prompt), max_new_tokens, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = reference_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                               do_sample=False, pad_token_id=0, eos_token_id=EOS, **kwargs)
+            cache[key] = out[0, len(prompt):].tolist()
+        return cache[key]
+
+    return model, reference
+
+
+def _prompts(count: int, lengths, seed: int = 0, shared: list[int] | None = None) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        length = lengths[i % len(lengths)]
+        out.append((shared or []) + torch.randint(3, 300, (length,), generator=gen).tolist())
+    return out
+
+
+class Harness:
+    """The scheduler and ``ranks`` rank engines over one model, stepped like the control loop does."""
+
+    def __init__(self, model, *, ranks: int = 1, blocks: int = 64, block_size: int = 4, prefill: int = 512,
+                 prefix_caching: bool = True, max_running: int = 64, replicas: list[list[int]] | None = None):
+        from server.engine import BlockPool, RankEngine, Scheduler
+
+        self.engines = [RankEngine(model, torch.device("cpu"), r, num_blocks=blocks, block_size=block_size)
+                        for r in range(ranks)]
+        pools = [BlockPool(blocks, block_size, prefix_caching=prefix_caching) for _ in range(ranks)]
+        self.scheduler = Scheduler(pools=pools, replicas=replicas or [list(range(ranks))], max_running=max_running,
+                                   max_total_tokens=256, eos_token_ids={EOS}, max_prefill_tokens=prefill,
+                                   max_queued=1000, idle_wait_s=0.01)
+        self.steps = 0
+        self.max_work_tokens = [0] * ranks
+
+    def submit(self, prompt: list[int], max_new_tokens: int, **params) -> dict:
+        from server.engine import RequestHandle, SamplingParams
+
+        out = {"tokens": [], "finish": None, "error": None}
+
+        def deliver(event):
+            if hasattr(event, "message"):
+                out["error"] = event.message
+            else:
+                out["tokens"].append(event.id)
+                out["finish"] = event.finish
+
+        self.scheduler.submit(RequestHandle(prompt, SamplingParams(max_new_tokens=max_new_tokens, **params),
+                                            deliver=deliver))
+        return out
+
+    def run(self, done, limit: int = 2000) -> None:
+        while not done():
+            plan = self.scheduler.next_plan()
+            for rank, work in plan.work.items():
+                self.max_work_tokens[rank] = max(self.max_work_tokens[rank],
+                                                 sum(w.count for w in work if w.count > 1))
+            results = [engine.step(plan) for engine in self.engines]
+            self.scheduler.on_results(results)
+            self.steps += 1
+            assert self.steps < limit, "the engine does not finish"
+
+
+    def settle(self) -> None:
+        """One more step: finished sequences leave their ranks and give their blocks back."""
+        plan = self.scheduler.next_plan()
+        self.scheduler.on_results([engine.step(plan) for engine in self.engines])
+        assert not any(engine.sequences for engine in self.engines)
+
+
+def _all_done(outs):
+    return lambda: all(o["finish"] is not None or o["error"] for o in outs)
+
+
+def test_chunked_prefill_beside_decodes_equals_generate(model_and_reference):
+    model, reference = model_and_reference
+    h = Harness(model, prefill=7)
+    prompts = _prompts(5, [3, 30, 17, 45, 9])
+    outs = [h.submit(p, 12) for p in prompts[:2]]
+    h.run(lambda: len(outs[0]["tokens"]) >= 2)  # later prompts arrive while earlier ones decode
+    outs += [h.submit(p, 12) for p in prompts[2:]]
+    h.run(_all_done(outs))
+    assert h.max_work_tokens[0] <= 7  # the prompt chunks respected the budget
+    for prompt, out in zip(prompts, outs):
+        assert out["tokens"] == reference(prompt, 12) and out["finish"] in ("length", "eos_token")
+
+
+def test_prefix_hits_are_used_and_exact(model_and_reference):
+    model, reference = model_and_reference
+    shared = _prompts(1, [24], seed=5)[0]
+    prompts = _prompts(3, [5, 9, 2], seed=6, shared=shared)
+    h = Harness(model, block_size=4)
+    first = h.submit(prompts[0], 6)
+    h.run(_all_done([first]))
+    pool = h.scheduler.pools[0]
+    assert pool.hits == 0 and pool.num_cached >= 6
+    outs = [h.submit(p, 6) for p in prompts[1:]]
+    h.run(_all_done(outs))
+    assert pool.hits >= 2 * 24  # both reused the 24-token shared prefix (6 blocks of 4)
+    for prompt, out in zip(prompts, [first, *outs]):
+        assert out["tokens"] == reference(prompt, 6)
+    # an identical prompt reuses all its full blocks but the one holding its last token
+    again = h.submit(prompts[0], 6)
+    before = pool.hits
+    h.run(_all_done([again]))
+    assert pool.hits - before == (len(prompts[0]) - 1) // 4 * 4
+    assert again["tokens"] == first["tokens"]
+
+
+def test_preemption_recomputes_and_stays_exact(model_and_reference):
+    model, reference = model_and_reference
+    h = Harness(model, blocks=16, block_size=4, prefix_caching=False)  # 64 token slots for 4 x 30 tokens
+    prompts = _prompts(4, [10, 12, 8, 11], seed=2)
+    outs = [h.submit(p, 20) for p in prompts]
+    h.run(_all_done(outs))
+    assert h.scheduler.preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out["tokens"] == reference(prompt, 20) and out["error"] is None
+    h.settle()
+    assert h.scheduler.pools[0].num_used == 0  # every block back
+
+
+def test_eviction_of_cached_blocks_and_a_full_cache_with_waiting_requests(model_and_reference):
+    model, reference = model_and_reference
+    h = Harness(model, blocks=12, block_size=4, max_running=64)
+    prompts = _prompts(6, [14, 18, 9, 16, 12, 20], seed=3)
+    outs = [h.submit(p, 10) for p in prompts]  # 6 x ~26 tokens into 48 slots: most wait
+    h.run(lambda: h.steps >= 1)
+    assert h.scheduler.num_waiting > 0  # admitted only what fits
+    h.run(_all_done(outs))
+    h.settle()
+    pool = h.scheduler.pools[0]
+    assert pool.num_cached <= 12 and pool.num_used == 0
+    for prompt, out in zip(prompts, outs):
+        assert out["tokens"] == reference(prompt, 10)
+
+
+def test_sequences_finishing_mid_step_and_several_ranks(model_and_reference):
+    model, reference = model_and_reference
+    h = Harness(model, ranks=3, blocks=40, block_size=4, prefill=16, replicas=[[0, 1], [2]])
+    prompts = _prompts(7, [5, 22, 13, 3, 30, 8, 11], seed=4)
+    lengths = [1, 7, 3, 12, 5, 2, 9]
+    outs = [h.submit(p, n) for p, n in zip(prompts, lengths)]
+    h.run(_all_done(outs))
+    started = [e.sequences_started for e in h.engines]
+    assert all(s > 0 for s in started), started  # placement used every rank
+    for prompt, n, out in zip(prompts, lengths, outs):
+        assert out["tokens"] == reference(prompt, n)
+
+
+def test_repetition_penalty_and_seeded_sampling_in_a_batch(model_and_reference):
+    model, reference = model_and_reference
+    h = Harness(model)
+    prompts = _prompts(3, [6, 11, 4], seed=7)
+    penalised = h.submit(prompts[0], 10, repetition_penalty=1.7)
+    sampled = [h.submit(prompts[1], 10, do_sample=True, temperature=0.9, top_k=20, seed=11) for _ in range(2)]
+    greedy = h.submit(prompts[2], 10)
+    h.run(_all_done([penalised, *sampled, greedy]))
+    assert penalised["tokens"] == reference(prompts[0], 10, repetition_penalty=1.7)
+    assert greedy["tokens"] == reference(prompts[2], 10)
+    alone = Harness(model)
+    replay = alone.submit(prompts[1], 10, do_sample=True, temperature=0.9, top_k=20, seed=11)
+    alone.run(_all_done([replay]))
+    assert sampled[0]["tokens"] == sampled[1]["tokens"] == replay["tokens"]  # whatever it is batched with

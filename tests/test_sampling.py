@@ -1,0 +1,65 @@
+"""The batched sampler against transformers' own logits processors, row by row."""
+
+import torch
+
+from server.engine.sampling import BatchSampler, Row, SamplingParams, build_logits_processors, token_seed
+
+PARAMS = [
+    SamplingParams(max_new_tokens=1),
+    SamplingParams(max_new_tokens=1, repetition_penalty=1.3),
+    SamplingParams(max_new_tokens=1, do_sample=True, temperature=0.7),
+    SamplingParams(max_new_tokens=1, do_sample=True, top_k=5),
+    SamplingParams(max_new_tokens=1, do_sample=True, top_p=0.8),
+    SamplingParams(max_new_tokens=1, do_sample=True, min_p=0.1),
+    SamplingParams(max_new_tokens=1, do_sample=True, temperature=1.3, top_k=40, top_p=0.9, min_p=0.02,
+                   repetition_penalty=0.8),
+    SamplingParams(max_new_tokens=1, temperature=0.5, top_k=1000),  # top_k over the vocabulary
+]
+
+
+def _rows(vocab: int) -> tuple[torch.Tensor, list[Row]]:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(PARAMS), vocab, generator=gen) * 3
+    rows = [Row(p, torch.randint(0, vocab, (5 + i,), generator=gen).tolist(), i) for i, p in enumerate(PARAMS)]
+    return logits, rows
+
+
+def test_processed_scores_equal_transformers_processors():
+    logits, rows = _rows(200)
+    ours = BatchSampler._process(logits, rows)
+    for i, row in enumerate(rows):
+        theirs = build_logits_processors(row.params)(torch.tensor([row.tokens]), logits[i:i + 1].clone())[0]
+        assert torch.equal(torch.isinf(ours[i]), torch.isinf(theirs)), i
+        finite = torch.isfinite(theirs)
+        torch.testing.assert_close(ours[i][finite], theirs[finite], msg=f"row {i}")
+
+
+def test_choices_logprobs_and_replay():
+    logits, rows = _rows(200)
+    for row in rows:
+        row.params.top_logprobs = 3 if row.params.samples else 0
+    sampler = BatchSampler()
+    picks = sampler.sample(logits, rows)
+    processed = BatchSampler._process(logits, rows)
+    for i, (token, logprob, top) in enumerate(picks):
+        assert torch.isfinite(processed[i, token])  # never a token the processors removed
+        assert abs(logprob - torch.log_softmax(logits[i], -1)[token].item()) < 1e-5
+        if not rows[i].params.samples:
+            assert token == int(processed[i].argmax())
+        else:
+            assert [t for t, _ in top] == torch.topk(logits[i], 3).indices.tolist()
+    # the same seed and index give the same token, alone or batched differently
+    alone = [sampler.sample(logits[i:i + 1], [rows[i]])[0][0] for i in reversed(range(len(rows)))]
+    assert list(reversed(alone)) == [t for t, _, _ in picks]
+
+
+def test_seeded_draws_follow_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    row_params = SamplingParams(max_new_tokens=1, do_sample=True, seed=123)
+    counts = torch.zeros(4)
+    sampler = BatchSampler()
+    for index in range(3000):
+        token, _, _ = sampler.sample(probs.log().unsqueeze(0), [Row(row_params, [1], index)])[0]
+        counts[token] += 1
+    assert counts[3] == 0 and (counts / 3000 - probs).abs().max() < 0.04
+    assert len({token_seed(123, i) for i in range(1000)}) == 1000
