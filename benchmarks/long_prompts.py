@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-tokens", type=int, default=1500)
     parser.add_argument("--prefix-repeats", type=int, default=4)
     parser.add_argument("--skip-burst", action="store_true")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="auto: bf16 where the CPU has native bf16, else float32 (exactness is only "
+                             "meaningful in float32: bf16 rounding depends on how a prompt is chunked)")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     from loaders.sources import resolve_model
 
     model_dir = args.model or resolve_model(None).path
-    dtype = compute_dtype("auto")
+    dtype = compute_dtype(args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     report: dict = {"model": model_dir, "dtype": dtype, "cpu_count": os.cpu_count()}
     extra = ["--max-input-tokens", "4096", "--max-total-tokens", "4200", "--dtype", dtype, "--log-level", "warning"]

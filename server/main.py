@@ -89,7 +89,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
     from server.app import build_app
     from server.control import ControlChannel, run_engine_loop
     from server.engine import BlockPool, KVGeometry, RankEngine, Scheduler, size_kv_pool
-    from server.memory import MemoryReport, release_freed_memory, tensor_bytes
+    from server.memory import MemoryReport, release_freed_memory, tensor_bytes, tune_allocator
     from server.metrics import ServerMetrics
     from server.state import ServerState
     from server.watchdog import StepWatchdog
@@ -97,6 +97,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
                               set_resident_units, slots_for_depth)
 
     hsdp = HSDPInferenceConfig(replicate_size=cfg.replicate_size, shard_size=cfg.shard_size)
+    tune_allocator()  # server.memory says why
     device = init_rank(resolve_device_type(cfg.device), cfg.collective_timeout_s)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mesh_shape = hsdp.resolve_mesh_shape(world_size)
