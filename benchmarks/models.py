@@ -9,13 +9,16 @@ import sys
 
 import torch
 
-DEFAULT_DIR = os.path.join(os.environ.get("HSDP_CACHE_DIR") or os.path.expanduser("~/.cache/hsdp-serve"),
-                           "bench-llama-80m-v2")
+BENCH_NAME = "bench-llama-80m-v2"
 
 
-def bench_checkpoint(out_dir: str = DEFAULT_DIR) -> str:
+def bench_checkpoint(out_dir: str | None = None) -> str:
     """11 decoder layers of hidden size 768 (78.5M parameters, 157 MB in bf16), in 40 MB files so
-    that layers straddle them; vocabulary of the demo's tokenizer trained on ASCII bytes only."""
+    that layers straddle them; vocabulary of the demo's tokenizer trained on ASCII bytes only.
+    Written once under hsdp-serve's cache directory unless ``out_dir`` says where."""
+    from loaders.sources.default_model import cache_root
+
+    out_dir = out_dir or os.path.join(cache_root(), BENCH_NAME)
     marker = os.path.join(out_dir, ".complete")
     if os.path.isfile(marker):
         return out_dir

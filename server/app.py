@@ -70,9 +70,8 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
         }
         scheduler = state.scheduler
         if scheduler is not None:
-            kv = scheduler.kv_report()
             body["kv_cache"] = {
-                "block_size": kv[0]["block_size"], "prefix_caching": scheduler.pools[0].prefix_caching,
+                "block_size": scheduler.block_size, "prefix_caching": scheduler.pools[0].prefix_caching,
                 "max_batch_prefill_tokens": scheduler.max_prefill_tokens, "preemptions": scheduler.preemptions,
             }
             ranks = []
@@ -82,7 +81,7 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
                     entry.update(pid=s.pid, sequences_started=s.sequences_started, tokens_computed=s.tokens_computed,
                                  active=s.active)
                 pool = scheduler.pools[r]
-                entry["kv_blocks"] = {k.removeprefix("blocks_"): v for k, v in kv[r].items() if k != "block_size"}
+                entry["kv_blocks"] = {"total": pool.num_blocks, "used": pool.num_used, "cached": pool.num_cached}
                 entry["prefix_cache"] = {"queried_tokens": pool.queries, "hit_tokens": pool.hits,
                                          "hit_rate": round(pool.hits / pool.queries, 4) if pool.queries else None}
                 entry["memory"] = scheduler.rank_memory[r]

@@ -151,11 +151,11 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
-        for name, allowed in (("device", DEVICE_TYPES), ("dtype", DTYPES), ("read_mode", READ_MODES),
-                              ("all_gather", ALL_GATHERS), ("log_level", LOG_LEVELS)):
-            value = getattr(self, name)
-            if value is not None and value not in allowed:
-                raise ValueError(f"--{name.replace('_', '-')} must be one of {allowed}, got {value!r}")
+        for f in fields(self):
+            allowed = f.metadata["option"].choices
+            value = getattr(self, f.name)
+            if allowed is not None and value is not None and value not in allowed:
+                raise ValueError(f"{flag_of(f)} must be one of {allowed}, got {value!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         for name in ("max_concurrent_requests", "max_input_tokens", "max_total_tokens"):
@@ -214,8 +214,6 @@ def show_default(f) -> str | None:
         return None
     if f.metadata["option"].switch:
         return "on" if f.default else "off"
-    if f.name == "resident_units" and f.default == -1:
-        return "all"
     return f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
 
 

@@ -31,8 +31,9 @@ def check_admission(state: ServerState, prompt_ids: list[int], max_new_tokens: i
             f"inputs must have less than {limits.max_input_tokens + 1} tokens. Given: {len(prompt_ids)}",
             param="inputs",
         )
+    capacity = state.scheduler.max_sequence_tokens
     if max_new_tokens is None:  # as much as the context allows, and the KV cache holds
-        room = min(limits.max_total_tokens, state.kv_tokens_per_rank or limits.max_total_tokens)
+        room = min(limits.max_total_tokens, capacity)
         if len(prompt_ids) >= room:
             raise InputValidationError(
                 f"the input ({len(prompt_ids)} tokens) leaves no room for new tokens: a sequence holds at most "
@@ -44,10 +45,10 @@ def check_admission(state: ServerState, prompt_ids: list[int], max_new_tokens: i
             f"Given: {len(prompt_ids)} inputs tokens and {max_new_tokens} max_new_tokens",
             param="max_new_tokens",
         )
-    if not state.scheduler.fits_ever(len(prompt_ids) + max_new_tokens):
+    if len(prompt_ids) + max_new_tokens > capacity:
         raise InputValidationError(
             f"inputs tokens + max_new_tokens ({len(prompt_ids)} + {max_new_tokens}) can never fit a rank's KV cache "
-            f"({state.kv_tokens_per_rank} tokens; raise --kv-cache-memory)", param="max_new_tokens",
+            f"({capacity} tokens; raise --kv-cache-memory)", param="max_new_tokens",
         )
     return max_new_tokens
 

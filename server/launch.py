@@ -281,23 +281,24 @@ def _terminal_foreground() -> Iterator[None]:
         if previous != os.getpgrp() or os.getpgrp() == os.getpid():
             yield
             return
-        old_ttou = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may not set it otherwise
-        try:
-            os.setpgid(0, 0)
-            os.tcsetpgrp(tty, os.getpgrp())
-        finally:
-            signal.signal(signal.SIGTTOU, old_ttou)
+        os.setpgid(0, 0)
+        _set_foreground(tty, os.getpgrp())
         try:
             yield
         finally:
-            old_ttou = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-            try:
-                with contextlib.suppress(OSError):
-                    os.tcsetpgrp(tty, previous)
-            finally:
-                signal.signal(signal.SIGTTOU, old_ttou)
+            with contextlib.suppress(OSError):
+                _set_foreground(tty, previous)
     finally:
         os.close(tty)
+
+
+def _set_foreground(tty: int, pgrp: int) -> None:
+    # A process outside the foreground group gets SIGTTOU (and stops) for this unless it ignores it.
+    old_ttou = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        os.tcsetpgrp(tty, pgrp)
+    finally:
+        signal.signal(signal.SIGTTOU, old_ttou)
 
 
 def launch_group(

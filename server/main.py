@@ -149,10 +149,9 @@ def serve_rank(cfg: ServeConfig, source) -> None:
                         "/".join(str(b) for _, _, b in per_rank), cfg.kv_block_size, engine.cache.nbytes / 1e6,
                         geometry.bytes_per_token)
             _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg)
-            state.kv_tokens_per_rank = max(b for _, _, b in per_rank) * cfg.kv_block_size
-            if state.kv_tokens_per_rank < limits.max_total_tokens:
+            if scheduler.max_sequence_tokens < limits.max_total_tokens:
                 logger.warning("the KV cache holds %d tokens per rank, fewer than --max-total-tokens %d: longer "
-                               "sequences are refused (raise --kv-cache-memory)", state.kv_tokens_per_rank,
+                               "sequences are refused (raise --kv-cache-memory)", scheduler.max_sequence_tokens,
                                limits.max_total_tokens)
             state.special_ids = frozenset(getattr(loaded.tokenizer, "all_special_ids", ()))
             state.limits, state.tokenizer, state.scheduler = limits, loaded.tokenizer, scheduler
@@ -191,10 +190,10 @@ def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg
         state.metrics.resident_bytes.labels(rank=str(r)).set(extra)
     state.metrics.running.set_function(lambda: scheduler.num_running)
     state.metrics.waiting.set_function(lambda: scheduler.num_waiting)
-    for r in range(len(per_rank)):
-        for kind in ("total", "used", "cached"):
-            state.metrics.kv_blocks.labels(str(r), kind).set_function(
-                lambda r=r, kind=kind: scheduler.kv_report()[r][f"blocks_{kind}"])
+    for r, pool in enumerate(scheduler.pools):
+        state.metrics.kv_blocks.labels(str(r), "total").set(pool.num_blocks)
+        state.metrics.kv_blocks.labels(str(r), "used").set_function(lambda pool=pool: pool.num_used)
+        state.metrics.kv_blocks.labels(str(r), "cached").set_function(lambda pool=pool: pool.num_cached)
         for kind in ("shards", "resident", "gather_ring_share", "kv_pool", "runtime", "rss", "pss"):
             state.metrics.rank_memory.labels(str(r), kind).set_function(
                 lambda r=r, kind=kind: (scheduler.rank_memory[r] or {}).get(kind, 0))

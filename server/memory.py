@@ -109,9 +109,3 @@ class MemoryReport:
         accounted = parts["shards"] + parts["resident"] + parts["gather_ring_share"] + parts["kv_pool"]
         return {**parts, **now, "runtime": max(0, now["pss"] - accounted)}
 
-
-def device_memory(device: torch.device) -> dict[str, int]:
-    """On a GPU: what torch has allocated and reserved there."""
-    if device.type != "cuda":
-        return {}
-    return {"cuda_allocated": torch.cuda.memory_allocated(device), "cuda_reserved": torch.cuda.memory_reserved(device)}

@@ -90,10 +90,10 @@ class _TextDeltas:
 
     def next(self, event: TokenEvent) -> str:
         held = self.held + event.text
-        cuts = [held.find(s) for s in self.stops if s in held]
-        if cuts:
+        visible = _cut_at_stop(held, self.stops)
+        if len(visible) < len(held):  # a stop sequence: nothing after it is shown
             self.held = ""
-            return held[: min(cuts)]
+            return visible
         keep = 0 if event.finish is not None else _held_back(held, self.stops)
         self.held = held[len(held) - keep:] if keep else ""
         return held[: len(held) - keep]

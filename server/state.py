@@ -38,7 +38,6 @@ class ServerState:
     residency: dict | None = None  # what --resident-units and --prefetch-depth did, per rank
     sampling_defaults: dict = field(default_factory=dict)  # generation_config.json's, for OpenAI requests
     special_ids: frozenset = frozenset()  # the tokenizer's special tokens (TGI's `special`)
-    kv_tokens_per_rank: int = 0  # the largest rank's KV pool, in tokens: longer sequences are refused
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def set_phase(self, phase: str, failure: str | None = None) -> None:

@@ -60,6 +60,19 @@ class ServerProcess:
             time.sleep(0.05)
         raise TimeoutError(f"not ready after {timeout} s: {self.log_tail()}")
 
+    def __enter__(self) -> ServerProcess:
+        """``with ServerProcess(...) as server``: ready on entry (else stopped and the error raised),
+        stopped on exit."""
+        try:
+            self.poll_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def log_tail(self, n: int = 40) -> str:
         if not self.log_path:
             return ""

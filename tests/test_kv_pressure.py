@@ -18,13 +18,9 @@ KV = str(8 * 16 * 768)
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("kv")
     path = write_checkpoint(root / "llama", "llama")
-    server = ServerProcess(path, extra_args=("--kv-cache-memory", KV, "--max-batch-prefill-tokens", "8"),
-                           log_path=root / "server.log")
-    try:
-        server.poll_ready()
+    with ServerProcess(path, extra_args=("--kv-cache-memory", KV, "--max-batch-prefill-tokens", "8"),
+                       log_path=root / "server.log") as server:
         yield server, path
-    finally:
-        server.stop()
 
 
 @pytest.mark.timeout(300)

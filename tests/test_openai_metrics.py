@@ -16,14 +16,10 @@ PROMPT = "The quick brown fox"
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("openai")
     path = write_checkpoint(root / "llama", "llama")
-    server = ServerProcess(path, extra_args=("--api-key", KEY, "--served-model-name", "m"),
-                           log_path=root / "server.log")
-    server.client.headers["Authorization"] = f"Bearer {KEY}"
-    try:
-        server.poll_ready()
+    with ServerProcess(path, extra_args=("--api-key", KEY, "--served-model-name", "m"),
+                       log_path=root / "server.log") as server:
+        server.client.headers["Authorization"] = f"Bearer {KEY}"
         yield server, path
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

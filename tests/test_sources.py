@@ -106,13 +106,9 @@ def test_without_the_package_index_the_default_falls_back_to_the_demo(tmp_path, 
 
 @pytest.fixture(scope="module")
 def served(hub):
-    server = ServerProcess(REPO_ID, extra_args=("--revision", hub["commit"]), env=hub["env"],
-                           log_path=hub["root"] / "server.log")
-    try:
-        server.poll_ready()
+    with ServerProcess(REPO_ID, extra_args=("--revision", hub["commit"]), env=hub["env"],
+                       log_path=hub["root"] / "server.log") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -52,15 +52,15 @@ class PagedLayout:
         row = 0
         for start, count, blocks in items:
             table = torch.tensor(blocks, dtype=torch.long)
-            positions = torch.arange(start, start + count)
-            slots.append(table[positions // block_size] * block_size + positions % block_size)
+            slots.append(_slots_at(table, torch.arange(start, start + count), block_size))
             context = start + count
             if count == 1:
                 decode_rows.append(row)
                 decode_ctx.append(context)
                 decode_tables.append(table)
             else:
-                prefill.append(_Chunk(row, start, count, _slots_of(table, context, block_size).to(device), device))
+                read_slots = _slots_at(table, torch.arange(context), block_size)
+                prefill.append(_Chunk(row, start, count, read_slots.to(device), device))
             row += count
         decode = None
         if decode_rows:
@@ -68,9 +68,9 @@ class PagedLayout:
         return cls(torch.cat(slots).to(device), decode, prefill)
 
 
-def _slots_of(table: torch.Tensor, context: int, block_size: int) -> torch.Tensor:
-    """The cache slots of positions 0..context-1 of a sequence with block table ``table``."""
-    return (table[:, None] * block_size + torch.arange(block_size)).flatten()[:context]
+def _slots_at(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The cache slots of ``positions`` of a sequence whose block table is ``table``."""
+    return table[positions // block_size] * block_size + positions % block_size
 
 
 class _DecodeGroup:

@@ -65,14 +65,11 @@ class RequestHandle:
     num_computed: int = 0  # tokens whose keys and values are in the cache
     num_registered: int = 0  # full blocks entered in the prefix cache
     last_key: bytes = b""  # the prefix key of the last of those
-    cancelled: bool = False
     done: bool = False
-    finish_reason: str | None = None
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
-    preemptions: int = 0
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -162,9 +159,16 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence some rank's whole KV pool holds."""
+        return max(p.num_blocks for p in self.pools) * self.block_size
+
     def fits_ever(self, tokens: int) -> bool:
-        """Whether a sequence of ``tokens`` tokens fits some rank's whole KV pool."""
-        return -(-tokens // self.block_size) <= max(p.num_blocks for p in self.pools)
+        return tokens <= self.max_sequence_tokens
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
 
     # -- engine thread ---------------------------------------------------------------------
     def next_plan(self) -> StepPlan:
@@ -194,19 +198,17 @@ class Scheduler:
         while True:
             kind, handle = item
             if kind == "submit":
-                handle.tokens = list(handle.prompt_ids)
                 self._waiting.append(handle)
             elif kind in ("cancel", "finish"):
-                self._end(handle, cancelled=kind == "cancel")
+                self._end(handle)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _end(self, handle: RequestHandle, *, cancelled: bool) -> None:
+    def _end(self, handle: RequestHandle) -> None:
         if handle.done:
             return
-        handle.cancelled = cancelled
         self._close(handle)
         if handle.seq_id in self._running:
             self._to_remove.append(handle)  # freed on its rank at the next step
@@ -252,7 +254,7 @@ class Scheduler:
         """The blocks ``handle`` needs for one more token, preempting the youngest sequences of
         its rank while none is free; None if ``handle`` itself was the one preempted."""
         pool = self.pools[handle.rank]
-        need = -(-(handle.num_computed + 1) // self.block_size) - len(handle.blocks)
+        need = self._blocks_for(handle.num_computed + 1) - len(handle.blocks)
         new = []
         while len(new) < need:
             block = pool.allocate()
@@ -279,7 +281,6 @@ class Scheduler:
                 break
         handle.num_computed = handle.num_registered = 0
         handle.last_key = b""
-        handle.preemptions += 1
         self.preemptions += 1
         if self.metrics is not None:
             self.metrics.preemptions.inc()
@@ -313,21 +314,21 @@ class Scheduler:
             self._waiting.popleft()
             pool = self.pools[rank]
             pool.take(cached)
-            need = -(-len(tokens) // self.block_size) - len(cached)
+            need = self._blocks_for(len(tokens)) - len(cached)
             handle.blocks = cached + [pool.allocate() for _ in range(need)]
             pool.count_lookup(len(tokens), len(cached) * self.block_size)
+            if self.metrics is not None:  # every lookup, as the pool's own counters (/info) count them
+                self.metrics.prefix_queried_tokens.inc(len(tokens))
+                self.metrics.prefix_hit_tokens.inc(len(cached) * self.block_size)
             handle.num_computed = len(cached) * self.block_size
             handle.num_registered = len(cached)
             handle.last_key = keys[len(cached) - 1] if cached else b""
             handle.seq_id, handle.rank = next(self._ids), rank
-            first_time = handle.started_at is None
-            if first_time:
+            if handle.started_at is None:  # its first admission (not a return after a preemption)
                 handle.started_at = time.monotonic()
                 if self.metrics is not None:
                     self.metrics.queue_time.observe(handle.started_at - handle.submitted_at)
                     self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
-                    self.metrics.prefix_queried_tokens.inc(len(tokens))
-                    self.metrics.prefix_hit_tokens.inc(len(cached) * self.block_size)
             self._running[handle.seq_id] = handle
             plan.add.append(SequenceAdd(handle.seq_id, rank, list(tokens), handle.params, list(handle.blocks),
                                         handle.num_generated))
@@ -340,7 +341,7 @@ class Scheduler:
         longest cached prefix, then has the most available blocks. A rank must keep 1% of its
         blocks for its running sequences to grow into, and have prompt budget left this step, so
         that the first chunk runs in the very next step."""
-        blocks = -(-num_tokens // self.block_size)
+        blocks = self._blocks_for(num_tokens)
         busy = {h.rank for h in self._running.values()}
         for replica in sorted(self.replicas, key=lambda r: -sum(self.pools[i].num_available for i in r)):
             best = None
@@ -409,7 +410,6 @@ class Scheduler:
         elif handle.num_generated >= handle.params.max_new_tokens or len(handle.tokens) >= self.max_total_tokens:
             reason = "length"
         if reason is not None:
-            handle.finish_reason = reason
             self._close(handle)
             self._to_remove.append(handle)  # freed on its rank at the next step
         handle.deliver(TokenEvent(token_id, result.logprob, result.top, reason))
@@ -432,11 +432,6 @@ class Scheduler:
             handle.blocks = []
         self._running.clear()
         self._waiting.clear()
-
-    def kv_report(self) -> list[dict]:
-        """Per rank: blocks total, used (referenced), cached (full blocks kept for reuse)."""
-        return [{"blocks_total": p.num_blocks, "blocks_used": p.num_used, "blocks_cached": p.num_cached,
-                 "block_size": p.block_size} for p in self.pools]
 
 
 def choose_seed(params: SamplingParams) -> SamplingParams:
