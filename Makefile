@@ -4,7 +4,7 @@ PYTHON ?= python3
 # One stamp per environment: switching to a fresh venv installs again.
 STAMP := .install-stamp-$(shell $(PYTHON) -c 'import hashlib, sys; print(hashlib.md5(sys.prefix.encode()).hexdigest()[:10])')
 
-.PHONY: install serve test bench-load bench-step bench-serve
+.PHONY: install serve test bench-load bench-step bench-serve gpu-check
 
 $(STAMP): pyproject.toml scripts/install.sh
 	PYTHON=$(PYTHON) scripts/install.sh
@@ -26,3 +26,6 @@ bench-step: $(STAMP)
 
 bench-serve: $(STAMP)
 	$(PYTHON) -m benchmarks.serve $(ARGS)
+
+gpu-check: $(STAMP)
+	$(PYTHON) -m benchmarks.gpu_check $(ARGS)

@@ -100,14 +100,15 @@ def read_header(path: str) -> dict[str, TensorInfo]:
     return infos
 
 
-def read_rows(fd: int, info: TensorInfo, start: int, stop: int, *, path: str) -> torch.Tensor:
-    """Rows ``[start, stop)`` of ``info`` along dim 0 (the whole tensor when it has no dims)."""
+def read_rows(fd: int, info: TensorInfo, start: int, stop: int, *, path: str, pin_memory: bool = False) -> torch.Tensor:
+    """Rows ``[start, stop)`` of ``info`` along dim 0 (the whole tensor when it has no dims), into
+    page-locked memory with ``pin_memory`` (so a copy to a GPU can run asynchronously)."""
     if info.shape:
         shape = (stop - start, *info.shape[1:])
         offset, nbytes = info.start + start * info.row_bytes, (stop - start) * info.row_bytes
     else:
         shape, offset, nbytes = (), info.start, info.nbytes
-    out = torch.empty(shape, dtype=info.dtype)
+    out = torch.empty(shape, dtype=info.dtype, pin_memory=pin_memory)
     if nbytes:
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         done = 0

@@ -37,6 +37,7 @@ from shard_engine import (
     HSDPInferenceConfig,
     HSDPShardContext,
     default_device,
+    dtensor_like,
     finalize_hsdp_root,
     prepare_hsdp_shard_context,
     select_units,
@@ -193,6 +194,8 @@ class _StreamingLoad:
                 tensor=missing[0],
             )
         assert self.root.done, "every tensor arrived but the root was not sharded"
+        if self.context.target_device.type == "cuda":
+            torch.cuda.synchronize(self.context.target_device)  # the load's time includes its copies
 
     def _read_file(self, path: str, bar) -> None:
         entries = sorted(
@@ -238,7 +241,13 @@ class _StreamingLoad:
             start, stop = shard_rows(info.shape[0], self.shard_size, self.shard_rank)
         else:
             start, stop = 0, (info.shape[0] if info.shape else 0)
-        data = read_rows(fd, info, start, stop, path=path)
+        device = self.local_device if self._is_sharded(name) else self.context.target_device
+        # Page-locked whenever the ranks compute on a GPU: FSDP's CPU offload pins its host shards too.
+        data = read_rows(fd, info, start, stop, path=path, pin_memory=self.context.target_device.type == "cuda")
+        if device.type == "cuda":
+            # From page-locked memory the copy runs while the next tensor is read; PyTorch's
+            # host allocator keeps the buffer until the copy has finished. Cast on the GPU.
+            data = data.to(device, non_blocking=True)
         self.stats.bytes_read += data.numel() * info.dtype.itemsize
         self.stats.tensors_read += 1
         unit = self.owner[name]
@@ -299,10 +308,7 @@ class _StreamingLoad:
         if isinstance(old, DTensor):
             local_shape = tuple(old._local_tensor.shape)
             assert local_shape == tuple(data.shape), f"{name}: rows read {tuple(data.shape)} != FSDP shard {local_shape}"
-            value = DTensor.from_local(
-                data.to(self.local_device), old.device_mesh, old.placements,
-                run_check=False, shape=old.shape, stride=old.stride(),
-            )
+            value = dtensor_like(old, data.to(self.local_device))
         else:
             value = data.to(self.context.target_device)
         return nn.Parameter(value, requires_grad=False)

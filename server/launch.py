@@ -171,6 +171,10 @@ def init_rank(device: str, timeout_s: float) -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     timeout = datetime.timedelta(seconds=timeout_s)
+    # torchrun sets OMP_NUM_THREADS=1 and spawned ranks would each take every core: both waste
+    # or oversubscribe the node, so each rank gets its share of the cores it may run on (GPU
+    # ranks too: their host work, the loader's reads and casts, runs on these threads).
+    torch.set_num_threads(max(1, _count_usable_cores() // local_world_size))
     if device == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise ValueError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible")
@@ -179,9 +183,6 @@ def init_rank(device: str, timeout_s: float) -> torch.device:
         # device_id binds the group to this GPU at once instead of at the first collective.
         dist.init_process_group("nccl", timeout=timeout, device_id=rank_device)
         return rank_device
-    # torchrun sets OMP_NUM_THREADS=1 and spawned ranks would each take every core: both waste
-    # or oversubscribe the node, so each rank gets its share of the cores it may run on.
-    torch.set_num_threads(max(1, _count_usable_cores() // local_world_size))
     dist.init_process_group("gloo", timeout=timeout)
     return torch.device("cpu")
 
@@ -273,7 +274,9 @@ def _terminal_foreground() -> Iterator[None]:
     """
     try:
         tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
-    except OSError:  # no controlling terminal
+    except OSError:  # no controlling terminal (outside the except: the group's errors are not "during" it)
+        tty = None
+    if tty is None:
         yield
         return
     try:
@@ -342,6 +345,19 @@ def launch_group(
         return _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, shutdown_timeout_s, title)
 
 
+def _supported_fields(cls, **optional) -> dict:
+    """The keyword arguments ``cls`` (a dataclass) accepts: LaunchConfig grew fields over the torch
+    versions pyproject.toml allows (torch 2.11 has no ``shutdown_timeout``), and an older torch
+    keeps its own default for the ones it lacks."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    skipped = sorted(set(optional) - names)
+    if skipped:
+        logger.debug("torch %s: LaunchConfig has no %s; its defaults apply", torch.__version__, skipped)
+    return {k: v for k, v in optional.items() if k in names}
+
+
 def _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, shutdown_timeout_s, title) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -364,8 +380,11 @@ def _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, s
             max_restarts=0,
             start_method="spawn",  # fork after torch (or CUDA) is initialised is unsafe
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
-            shutdown_timeout=shutdown_timeout_s,
-            signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM and SIGINT are ours, see below
+            **_supported_fields(
+                LaunchConfig,
+                shutdown_timeout=shutdown_timeout_s,
+                signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM and SIGINT are ours, see below
+            ),
         )
         logger.debug("launching %d rank(s), run id %s", nproc_per_node, config.run_id)
         with _passing_stop_signals_to_ranks(shutdown_timeout_s) as received:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -112,6 +113,22 @@ def prepare_hsdp_shard_context(
         root=model,
         module_names={id(m): name for name, m in model.named_modules()},
     )
+
+
+def dtensor_like(template: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor over ``local`` with ``template``'s mesh, placements, shape and stride: a shard
+    read from a checkpoint replacing the meta one ``fully_shard`` registered.
+
+    ``local`` stays where it is. ``DTensor.from_local`` would move a host tensor onto a GPU mesh's
+    device, but with FSDP's CPU offload the shards live in host memory on a CUDA mesh (FSDP's
+    lazy init refuses shards elsewhere), so that case is built as FSDP builds its own shards.
+    """
+    if local.device.type == template.device_mesh.device_type:
+        return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
+                                  shape=template.shape, stride=template.stride())
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
+
+    return _from_local_no_grad(local, template._spec)
 
 
 def _place_ignored(params: set[nn.Parameter], device: torch.device) -> None:

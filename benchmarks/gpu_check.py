@@ -1,0 +1,613 @@
+"""The GPU check: streaming load, greedy parity and decode throughput on one CUDA device.
+
+    python -m benchmarks.gpu_check --out DIR          # one GPU; about 2 minutes on one H200
+    python -m benchmarks.gpu_check --dry-run --out DIR  # the same logic on CPU, a tiny model (tests)
+    make gpu-check ARGS="--out DIR"
+
+One process, world size 1, the product's code paths: ``server.launch.init_rank("cuda")`` (NCCL),
+``load_hsdp_model`` (page-locked reads, asynchronous copies), ``set_resident_units``, and the
+engine the server runs (``server.engine``: scheduler, paged KV cache, batched sampling), and in
+phase ``serve`` the server itself. Phases, each timed and recorded; a failure is recorded with its traceback and the phases
+that do not need its result still run:
+
+1. ``env``         torch, CUDA, GPU, transformers
+2. ``checkpoint``  a Llama-shaped model of about 1.1B parameters (GQA, untied head), random bf16
+                   weights, written by ``save_pretrained`` in 1 GB files
+3. ``load``        the streaming loader against ``from_pretrained(device_map=GPU)``, page cache
+                   dropped before each where the machine allows it: seconds, GB/s, peak GPU memory
+4. ``parity_bf16`` greedy tokens of the engine against ``generate`` on the same GPU, bf16; where
+                   they part, transformers' own top-2 logit margin there (bf16 ties are expected)
+5. ``parity_fp32`` the same in float32 (TF32 off), where the tokens must be equal
+6. ``decode``      output tokens/s at 1, 32 and 128 concurrent sequences (128-token prompts, 128
+                   new tokens), the engine with every unit resident and with none, against
+                   ``generate`` with the same batch: the whole run, and decode steps alone
+7. ``prefetch``    the server's default (nothing resident, prefetch depth 2) at the same loads
+8. ``step_profile`` cProfile of one-sequence decode steps (``step_profile.txt``)
+9. ``serve``       ``python -m server --device cuda`` started as users start it: time to ready,
+                   greedy tokens over HTTP equal to the in-process engine's, 32 streaming clients,
+                   /info, SIGTERM and its exit code (``server.log``)
+10. ``cpu_offload`` ``HSDPInferenceConfig(cpu_offload=True)``: shards in host memory, same tokens
+
+Writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out`` after every phase, so a run cut
+short still leaves what it measured.
+
+The device image this was written for has torch 2.11 and transformers 5.17; this project needs
+transformers >= 5.24. Carry the wheels (from the repository root, on a machine with pip access):
+
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \\
+        transformers==5.24.0 regex==2026.11.19 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 \\
+        pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \\
+        annotated-doc==0.0.7 typing_extensions==4.16.0 setproctitle==1.3.8 opentelemetry-api==1.45.2
+    # there:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:. python3 -m benchmarks.gpu_check --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import faulthandler
+import json
+import os
+import pathlib
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+PROMPT_TOKENS = 128
+NEW_TOKENS = 128
+CONCURRENCY = (1, 32, 128)
+PARITY_PROMPT_LENGTHS = (7, 16, 40, 100)
+PARITY_NEW_TOKENS = 32
+BLOCK_SIZE = 16
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def llama_config(dry_run: bool):
+    from transformers import LlamaConfig
+
+    if dry_run:
+        return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    # Llama-3.2-1B's shape with a 32k vocabulary: 1.1B parameters
+    return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+                       rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer with one word per id (``w3`` ... ``wN``; 0-2 special): any id the
+    random model picks decodes, and a prompt written as words encodes to exactly those ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<pad>")
+
+
+def as_words(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+class Report:
+    """Phases and figures, written as JSON and Markdown after every phase."""
+
+    def __init__(self, out: pathlib.Path, meta: dict):
+        self.out, self.doc = out, {"meta": meta, "phases": {}}
+        out.mkdir(parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        log(f"{name} ...")
+        entry = self.doc["phases"].setdefault(name, {})
+        start = time.perf_counter()
+        try:
+            yield entry
+            entry["ok"] = True
+        except Exception as e:  # noqa: BLE001 - recorded; the phases after it still run
+            entry["ok"] = False
+            entry["error"] = f"{type(e).__name__}: {e}"
+            entry["traceback"] = traceback.format_exc()
+            log(f"{name} FAILED: {entry['error']}\n{entry['traceback']}")
+        finally:
+            entry["seconds"] = round(time.perf_counter() - start, 2)
+            log(f"{name}: {json.dumps({k: v for k, v in entry.items() if k != 'traceback'})}")
+            self.write()
+
+    def write(self) -> None:
+        (self.out / "gpu_check.json").write_text(json.dumps(self.doc, indent=2))
+        (self.out / "gpu_check.md").write_text(render_markdown(self.doc))
+
+
+def render_markdown(doc: dict) -> str:
+    meta, phases = doc["meta"], doc["phases"]
+    lines = ["# GPU check", "", " ".join(f"{k}: {v};" for k, v in meta.items()), ""]
+    lines += ["| phase | ok | seconds | figures |", "| --- | --- | --- | --- |"]
+    for name, p in phases.items():
+        figures = {k: v for k, v in p.items() if k not in ("ok", "seconds", "traceback", "runs", "prompts")}
+        lines.append(f"| {name} | {'yes' if p.get('ok') else 'NO'} | {p.get('seconds')} | "
+                     f"{json.dumps(figures)[:600]} |")
+    decode = phases.get("decode", {}).get("runs")
+    if decode:
+        lines += ["", "| concurrency | system | output tok/s (whole run) | decode tok/s (decode steps) | "
+                  "ratio to generate (whole) | ratio (decode) |", "| --- | --- | --- | --- | --- | --- |"]
+        for run in decode:
+            lines.append(f"| {run['concurrency']} | {run['system']} | {run['tokens_per_s']} | "
+                         f"{run.get('decode_tokens_per_s')} | {run.get('ratio_whole', '')} | "
+                         f"{run.get('ratio_decode', '')} |")
+    for name in ("parity_bf16", "parity_fp32"):
+        prompts = phases.get(name, {}).get("prompts")
+        if prompts:
+            lines += ["", f"{name}:", ""] + [f"- {json.dumps(p)}" for p in prompts]
+    return "\n".join(lines) + "\n"
+
+
+def drop_page_cache() -> bool:
+    """Empty the kernel's page cache so a load reads the disk (root only; False where refused)."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def init_world_one(device_type: str) -> torch.device:
+    """World size 1 through the server's own ``init_rank`` on a free loopback port."""
+    from server.launch import init_rank
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                  "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    os.environ.update(rendezvous)
+    try:
+        return init_rank(device_type, timeout_s=120)
+    finally:
+        for key in rendezvous:  # the server started later must not take them for torchrun's
+            os.environ.pop(key, None)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_prompts(count: int, length, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [length] * count if isinstance(length, int) else list(length)
+    return [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def run_engine(engine, prompts: list[list[int]], new_tokens: int, *, kv_blocks: int, prefill_tokens: int) -> dict:
+    """Greedy generation of ``new_tokens`` per prompt (no end-of-sequence stop) by the server's
+    scheduler and this rank engine, stepped as the control loop steps them. Returns the tokens and
+    the time of the whole run and of the steps that only decoded."""
+    from server.engine import BlockPool, RequestHandle, SamplingParams, Scheduler
+
+    scheduler = Scheduler(pools=[BlockPool(kv_blocks, BLOCK_SIZE, prefix_caching=True)], replicas=[[0]],
+                          max_running=max(256, len(prompts)), max_total_tokens=max(map(len, prompts)) + new_tokens,
+                          eos_token_ids=set(), max_prefill_tokens=prefill_tokens, max_queued=10_000,
+                          idle_wait_s=0.001)
+    outs = [[] for _ in prompts]
+    finished = [0]
+
+    def deliver_to(i):
+        def deliver(event):
+            if hasattr(event, "message"):
+                raise RuntimeError(f"request {i} failed: {event.message}")
+            outs[i].append(event.id)
+            if event.finish is not None:
+                finished[0] += 1
+        return deliver
+
+    sync(engine.device)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        scheduler.submit(RequestHandle(list(prompt), SamplingParams(max_new_tokens=new_tokens), deliver=deliver_to(i)))
+    decode_s, decode_tokens, steps = 0.0, 0, 0
+    while finished[0] < len(prompts):
+        plan = scheduler.next_plan()
+        step_start = time.perf_counter()
+        result = engine.step(plan)  # its tokens come back to the host: the step has finished
+        elapsed = time.perf_counter() - step_start
+        scheduler.on_results([result])
+        steps += 1
+        work = [w for ws in plan.work.values() for w in ws]
+        if work and all(w.count == 1 for w in work):
+            decode_s += elapsed
+            decode_tokens += len(result.tokens)
+        if steps > 100_000:
+            raise RuntimeError("the engine does not finish")
+    total_s = time.perf_counter() - start
+    scheduler.on_results([engine.step(scheduler.next_plan())])  # finished sequences leave the rank
+    return {"tokens": outs, "seconds": total_s, "steps": steps, "decode_seconds": decode_s,
+            "decode_tokens": decode_tokens}
+
+
+@torch.no_grad()
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, device: torch.device) -> tuple[list[list[int]], float]:
+    """transformers' greedy ``generate`` over the prompts as one batch (equal lengths: no padding)."""
+    assert len({len(p) for p in prompts}) == 1, "one batch needs prompts of one length"
+    ids = torch.tensor(prompts, device=device)
+    sync(device)
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    sync(device)
+    return out[:, ids.shape[1]:].tolist(), time.perf_counter() - start
+
+
+@torch.no_grad()
+def compare_greedy(engine, reference_model, prompts, new_tokens, *, kv_blocks: int, prefill_tokens: int) -> dict:
+    """The engine's greedy tokens against ``generate``'s, prompt by prompt; where they part, the
+    reference's top-2 logit margin at that position (a near tie flips under rounding)."""
+    device = engine.device
+    ours = run_engine(engine, prompts, new_tokens, kv_blocks=kv_blocks, prefill_tokens=prefill_tokens)["tokens"]
+    report = []
+    for prompt, got in zip(prompts, ours):
+        want, _ = hf_generate(reference_model, [prompt], new_tokens, device)
+        want = want[0]
+        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        entry = {"prompt_tokens": len(prompt), "equal": got == want, "first_difference": first}
+        if first is not None:
+            ids = torch.tensor([prompt + want[:first]], device=device)
+            logits = reference_model(input_ids=ids).logits[0, -1].float()
+            top = torch.topk(logits, 2)
+            entry["reference_margin"] = round(float(top.values[0] - top.values[1]), 5)
+            entry["logit_scale"] = round(float(logits.abs().max()), 5)
+            entry["ours_vs_reference"] = [got[first], want[first]]
+        report.append(entry)
+    return {"equal": sum(e["equal"] for e in report), "of": len(report), "prompts": report}
+
+
+def check_server(path: str, device: torch.device, state: dict, prompt_tokens: int, new_tokens: int,
+                 prefill_tokens: int, dry: bool, out: pathlib.Path) -> dict:
+    """The product as users start it (``python -m server``: launcher, rank process, NCCL, HTTP) on
+    this checkpoint: time to ready, greedy tokens over HTTP against the in-process engine's for
+    the same prompt alone, 32 concurrent streaming clients, /info, and a clean SIGTERM."""
+    import asyncio
+
+    import httpx
+
+    from tests.server_process import ServerProcess, free_port
+
+    figures: dict = {}
+    prompt = random_prompts(1, 24, state["vocab"], seed=11)[0]
+    expected = run_engine(state["engine"], [prompt], 32, kv_blocks=state["kv_blocks"],
+                          prefill_tokens=prefill_tokens)["tokens"][0]
+    argv = [sys.executable, "-m", "server", "--model", path, "--device", device.type, "--nproc-per-node", "1",
+            "--host", "127.0.0.1"]
+    if dry:
+        argv += ["--dtype", "float32"]
+    port = free_port()
+    start = time.perf_counter()
+    server = ServerProcess(None, argv=[*argv, "--port", str(port)], port=port, log_path=out / "server.log")
+    with server:
+        figures["ready_seconds"] = round(time.perf_counter() - start, 2)
+        r = server.client.post("/generate", json={"inputs": as_words(prompt),
+                                                  "parameters": {"max_new_tokens": 32, "details": True}})
+        r.raise_for_status()
+        got = [t["id"] for t in r.json()["details"]["tokens"]]
+        figures["greedy_equal_to_engine"] = got == expected[:len(got)]
+        figures["greedy_tokens"] = len(got)
+        if not figures["greedy_equal_to_engine"]:
+            figures["greedy"] = {"http": got, "engine": expected}
+
+        async def one(client, prompt_ids):
+            sent = time.perf_counter()
+            first, count = None, 0
+            async with client.stream("POST", "/generate_stream", json={
+                    "inputs": as_words(prompt_ids), "parameters": {"max_new_tokens": new_tokens}}) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if line.startswith("data:") and '"token"' in line:
+                        count += 1
+                        first = first or time.perf_counter() - sent
+            return first, count
+
+        async def burst(prompts):
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+                return await asyncio.gather(*(one(client, p) for p in prompts))
+
+        clients = 4 if dry else 32
+        prompts = random_prompts(clients, prompt_tokens, state["vocab"], seed=12)
+        begin = time.perf_counter()
+        results = asyncio.run(burst(prompts))
+        wall = time.perf_counter() - begin
+        tokens = sum(c for _, c in results)
+        ttfts = sorted(t for t, _ in results if t is not None)
+        figures["clients"] = clients
+        figures["output_tokens_per_s"] = round(tokens / wall, 1)
+        figures["ttft_median_ms"] = round(1000 * ttfts[len(ttfts) // 2], 1) if ttfts else None
+        info = server.client.get("/info").json()
+        figures["info_kv_cache"] = info.get("kv_cache")
+        figures["info_rank0_memory"] = (info.get("ranks") or [{}])[0].get("memory")
+        stop_at = time.perf_counter()
+        figures["exit_code"] = server.stop()
+        figures["stop_seconds"] = round(time.perf_counter() - stop_at, 2)
+    if figures["exit_code"] != 0 or not figures["greedy_equal_to_engine"]:
+        raise AssertionError(f"server: exit {figures['exit_code']}, greedy equal {figures['greedy_equal_to_engine']}")
+    return figures
+
+
+def load_ours(path: str, device: torch.device, dtype):
+    from loaders import load_hsdp_model
+    from shard_engine import HSDPInferenceConfig
+
+    sync(device)
+    loaded = load_hsdp_model(path, HSDPInferenceConfig(), device=device, dtype=dtype)
+    sync(device)
+    return loaded
+
+
+def load_reference(path: str, device: torch.device, dtype):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"device_map": str(device)} if device.type == "cuda" else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
+    sync(device)
+    return model
+
+
+def make_engine(model, device: torch.device, kv_blocks: int):
+    from server.engine import RankEngine
+
+    return RankEngine(model, device, 0, num_blocks=kv_blocks, block_size=BLOCK_SIZE)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="gpu_check_out", help="folder for gpu_check.json and gpu_check.md")
+    parser.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, a tiny model, few tokens: the logic only")
+    parser.add_argument("--budget-s", type=float, default=480, help="phases not started by then are skipped")
+    args = parser.parse_args(argv)
+
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        parser.error("no CUDA device: use --dry-run to check the logic on CPU")
+    deadline = time.monotonic() + args.budget_s
+    faulthandler.dump_traceback_later(args.budget_s + 120, exit=True)  # never hang the lease
+    concurrency = (1, 4) if dry else CONCURRENCY
+    prompt_tokens, new_tokens = (16, 8) if dry else (PROMPT_TOKENS, NEW_TOKENS)
+    parity_new = 8 if dry else PARITY_NEW_TOKENS
+    dtype = torch.float32 if dry else torch.bfloat16
+    kv_bytes = (64 << 20) if dry else (16 << 30)
+
+    import transformers
+
+    from server.config import ServeConfig
+
+    prefill_tokens = ServeConfig.__dataclass_fields__["max_batch_prefill_tokens"].default
+    report = Report(pathlib.Path(args.out), {
+        "dry_run": dry, "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "dtype": str(dtype).removeprefix("torch."),
+        "prefill_tokens_per_step": prefill_tokens, "kv_block_size": BLOCK_SIZE,
+    })
+    state: dict = {}
+
+    with report.phase("env") as p:
+        p["cuda"] = torch.version.cuda
+        if not dry:
+            props = torch.cuda.get_device_properties(0)
+            p["gpu"] = props.name
+            p["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+            p["multiprocessors"] = props.multi_processor_count
+            with contextlib.suppress(Exception):
+                p["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                             capture_output=True, text=True, timeout=20).stdout.strip()
+        p["cpus"] = os.cpu_count()
+        state["device"] = init_world_one("cpu" if dry else "cuda")
+        p["device"] = str(state["device"])
+        p["threads"] = torch.get_num_threads()
+    device = state.get("device")
+
+    workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="gpu-check-"))
+    path = str(workdir / "llama-1b")
+    with report.phase("checkpoint") as p:
+        from transformers import AutoModelForCausalLM
+
+        config = llama_config(dry)
+        torch.manual_seed(0)
+        build_on = torch.device("cuda") if not dry else torch.device("cpu")
+        with build_on:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        p["parameters"] = sum(t.numel() for t in model.parameters())
+        model.save_pretrained(path, max_shard_size="1GB")
+        word_tokenizer(config.vocab_size).save_pretrained(path)  # the server needs one
+        del model
+        torch.cuda.empty_cache() if not dry else None
+        files = sorted(pathlib.Path(path).glob("*.safetensors"))
+        p["files"], p["bytes"] = len(files), sum(f.stat().st_size for f in files)
+        state["vocab"] = config.vocab_size
+
+    with report.phase("load") as p:
+        p["page_cache_dropped"] = not dry and drop_page_cache()
+        start = time.perf_counter()
+        loaded = load_ours(path, device, dtype)
+        ours_s = time.perf_counter() - start
+        stats = loaded.stats
+        p["ours_seconds"] = round(ours_s, 3)
+        p["ours_gb_per_s"] = round(stats.checkpoint_bytes / ours_s / 1e9, 2)
+        p["ours_phases"] = {k: round(v, 3) for k, v in stats.phase_seconds.items()}
+        if device.type == "cuda":
+            p["ours_peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+        p["model_bytes"] = sum(t.numel() * t.element_size() for t in loaded.model.parameters())
+        state["ours"] = loaded.model
+        if not dry:
+            drop_page_cache()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        state["reference"] = load_reference(path, device, dtype)
+        ref_s = time.perf_counter() - start
+        p["transformers_seconds"] = round(ref_s, 3)
+        p["transformers_gb_per_s"] = round(stats.checkpoint_bytes / ref_s / 1e9, 2)
+        p["ratio_ours_to_transformers_seconds"] = round(ours_s / ref_s, 3)
+
+    with report.phase("residency") as p:
+        from server.engine import KVGeometry, size_kv_pool
+        from shard_engine import set_resident_units
+
+        residency = set_resident_units(state["ours"], -1)
+        p["resident_units"], p["extra_bytes"] = len(residency.units), residency.extra_bytes
+        geometry = KVGeometry.of(state["ours"])
+        p["kv_bytes_per_token"] = geometry.bytes_per_token
+        p["auto_kv_blocks"] = size_kv_pool(None, geometry, BLOCK_SIZE, device)  # what --kv-cache-memory auto takes
+        state["kv_blocks"] = size_kv_pool(kv_bytes, geometry, BLOCK_SIZE, device)
+        p["kv_blocks"] = state["kv_blocks"]
+        state["engine"] = make_engine(state["ours"], device, state["kv_blocks"])
+
+    with report.phase("parity_bf16" if not dry else "parity_dtype") as p:
+        prompts = random_prompts(len(PARITY_PROMPT_LENGTHS), PARITY_PROMPT_LENGTHS, state["vocab"], seed=1)
+        p.update(compare_greedy(state["engine"], state["reference"], prompts, parity_new,
+                                kv_blocks=state["kv_blocks"], prefill_tokens=prefill_tokens))
+
+    with report.phase("decode") as p:
+        runs = p["runs"] = []
+        ours, reference, engine = state["ours"], state["reference"], state["engine"]
+        warm = random_prompts(2, prompt_tokens, state["vocab"], seed=2)
+        run_engine(engine, warm, 4, kv_blocks=state["kv_blocks"], prefill_tokens=prefill_tokens)  # warm-up
+        hf_generate(reference, warm, 4, device)
+        for c in concurrency:
+            if time.monotonic() > deadline:
+                p["skipped"] = f"concurrency {c} and above: past --budget-s"
+                break
+            prompts = random_prompts(c, prompt_tokens, state["vocab"], seed=100 + c)
+            _, prefill_s = hf_generate(reference, prompts, 1, device)
+            _, hf_s = hf_generate(reference, prompts, new_tokens, device)
+            hf = {"concurrency": c, "system": "transformers generate",
+                  "tokens_per_s": round(c * new_tokens / hf_s, 1),
+                  "decode_tokens_per_s": round(c * (new_tokens - 1) / max(hf_s - prefill_s, 1e-9), 1)}
+            runs.append(hf)
+            for mode, units in (("engine, all resident", -1), ("engine, none resident", 0)):
+                from shard_engine import set_resident_units
+
+                set_resident_units(ours, units)
+                r = run_engine(engine, prompts, new_tokens, kv_blocks=state["kv_blocks"],
+                               prefill_tokens=prefill_tokens)
+                entry = {"concurrency": c, "system": mode, "tokens_per_s": round(c * new_tokens / r["seconds"], 1),
+                         "decode_tokens_per_s": round(r["decode_tokens"] / max(r["decode_seconds"], 1e-9), 1),
+                         "steps": r["steps"]}
+                entry["ratio_whole"] = round(entry["tokens_per_s"] / hf["tokens_per_s"], 3)
+                entry["ratio_decode"] = round(entry["decode_tokens_per_s"] / hf["decode_tokens_per_s"], 3)
+                runs.append(entry)
+                log(json.dumps(entry))
+            set_resident_units(ours, -1)
+        if device.type == "cuda":
+            p["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+
+    with report.phase("prefetch") as p:
+        # the server's default: nothing resident, each unit starting the next two units' all-gathers
+        from shard_engine import disable_forward_prefetch, enable_forward_prefetch, set_resident_units
+
+        p["links"] = enable_forward_prefetch(state["ours"], depth=2)
+        set_resident_units(state["ours"], 0)
+        runs = p["runs"] = []
+        try:
+            for c in concurrency:
+                prompts = random_prompts(c, prompt_tokens, state["vocab"], seed=100 + c)
+                r = run_engine(state["engine"], prompts, new_tokens, kv_blocks=state["kv_blocks"],
+                               prefill_tokens=prefill_tokens)
+                runs.append({"concurrency": c, "tokens_per_s": round(c * new_tokens / r["seconds"], 1),
+                             "decode_tokens_per_s": round(r["decode_tokens"] / max(r["decode_seconds"], 1e-9), 1)})
+                log(json.dumps(runs[-1]))
+        finally:
+            disable_forward_prefetch(state["ours"])
+            set_resident_units(state["ours"], -1)
+
+    with report.phase("step_profile") as p:
+        # where a one-sequence decode step's time goes (all resident): the engine's own overhead
+        import cProfile
+        import io
+        import pstats
+
+        prompts = random_prompts(1, prompt_tokens, state["vocab"], seed=7)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        r = run_engine(state["engine"], prompts, 32, kv_blocks=state["kv_blocks"], prefill_tokens=prefill_tokens)
+        profiler.disable()
+        p["ms_per_step"] = round(1000 * r["seconds"] / r["steps"], 2)
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+        (pathlib.Path(args.out) / "step_profile.txt").write_text(text.getvalue())
+
+    with contextlib.suppress(Exception):  # what the CPU-offloaded model must answer (phase cpu_offload)
+        state["offload_prompts"] = random_prompts(2, prompt_tokens, state["vocab"], seed=9)
+        state["offload_expected"] = run_engine(state["engine"], state["offload_prompts"], 16,
+                                               kv_blocks=state["kv_blocks"], prefill_tokens=prefill_tokens)["tokens"]
+
+    with report.phase("serve") as p:
+        p.update(check_server(path, device, state, prompt_tokens, new_tokens, prefill_tokens, dry,
+                              pathlib.Path(args.out)))
+
+    for key in ("engine", "ours", "reference"):
+        state.pop(key, None)
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    with report.phase("parity_fp32") as p:
+        if time.monotonic() > deadline:
+            raise TimeoutError("past --budget-s")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        ours32 = load_ours(path, device, torch.float32)
+        from shard_engine import set_resident_units
+
+        set_resident_units(ours32.model, -1)
+        reference32 = load_reference(path, device, torch.float32)
+        engine32 = make_engine(ours32.model, device, max(64, state.get("kv_blocks", 64) // 4))
+        prompts = random_prompts(len(PARITY_PROMPT_LENGTHS), PARITY_PROMPT_LENGTHS, state["vocab"], seed=1)
+        p.update(compare_greedy(engine32, reference32, prompts, parity_new, kv_blocks=engine32.cache.num_blocks,
+                                prefill_tokens=prefill_tokens))
+        if p["equal"] != p["of"]:
+            raise AssertionError(f"float32 greedy tokens differ from transformers' on {p['of'] - p['equal']} prompts")
+
+    with report.phase("cpu_offload") as p:
+        # FSDP's CPU offload: shards in host memory, copied in for each unit's forward
+        if time.monotonic() > deadline:
+            raise TimeoutError("past --budget-s")
+        from loaders import load_hsdp_model
+        from shard_engine import HSDPInferenceConfig
+
+        offloaded = load_hsdp_model(path, HSDPInferenceConfig(cpu_offload=True), device=device, dtype=dtype)
+        p["parameter_device"] = str(next(offloaded.model.parameters()).device)
+        engine = make_engine(offloaded.model, device, 1024)
+        r = run_engine(engine, state["offload_prompts"], 16, kv_blocks=1024, prefill_tokens=prefill_tokens)
+        p["tokens_per_s"] = round(2 * 16 / r["seconds"], 1)
+        p["equal_to_resident_engine"] = r["tokens"] == state["offload_expected"]
+        if not p["equal_to_resident_engine"]:
+            raise AssertionError(f"offloaded {r['tokens']} != resident {state['offload_expected']}")
+
+    report.doc["ok"] = all(ph.get("ok") for ph in report.doc["phases"].values())
+    report.write()
+    log(f"wrote {args.out}/gpu_check.json and gpu_check.md; ok={report.doc['ok']}")
+    with contextlib.suppress(Exception):
+        from server.launch import close_rank
+
+        close_rank()
+    faulthandler.cancel_dump_traceback_later()
+    return 0 if report.doc["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

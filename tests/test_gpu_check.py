@@ -1,0 +1,38 @@
+"""``benchmarks/gpu_check.py`` in its dry mode: every phase's logic on CPU with a tiny model.
+
+The figures mean nothing here; what is checked is that each phase runs, that the exactness checks
+hold (float32 greedy tokens equal transformers', tokens over HTTP equal the in-process engine's)
+and that the report is written, so that the script works the first time a GPU is lent.
+"""
+
+import json
+import subprocess
+import sys
+
+from tests.server_process import REPO
+
+PHASES = ["env", "checkpoint", "load", "residency", "parity_dtype", "decode", "prefetch", "step_profile", "serve",
+          "parity_fp32", "cpu_offload"]
+
+
+def test_gpu_check_dry_run(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(out),
+                           "--workdir", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert (out / "gpu_check.json").exists(), proc.stderr[-3000:]
+    doc = json.loads((out / "gpu_check.json").read_text())
+    failed = {name: p.get("error") for name, p in doc["phases"].items() if not p.get("ok")}
+    assert not failed, failed
+    assert list(doc["phases"]) == PHASES
+    assert proc.returncode == 0 and doc["ok"]
+    phases = doc["phases"]
+    assert phases["parity_fp32"]["equal"] == phases["parity_fp32"]["of"] == 4
+    assert phases["serve"]["greedy_equal_to_engine"] and phases["serve"]["exit_code"] == 0
+    assert phases["cpu_offload"]["equal_to_resident_engine"]
+    systems = {(r["concurrency"], r["system"]) for r in phases["decode"]["runs"]}
+    assert systems == {(c, s) for c in (1, 4) for s in ("transformers generate", "engine, all resident",
+                                                          "engine, none resident")}
+    markdown = (out / "gpu_check.md").read_text()
+    assert "| serve | yes |" in markdown and "dtype: float32" in markdown
+    assert (out / "step_profile.txt").read_text().count("function calls") == 2
