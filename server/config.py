@@ -22,6 +22,11 @@ from server.launch import DEVICE_TYPES, LOG_LEVELS, int_or_keyword, parse_nproc_
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALL_GATHERS = ("auto", "shm", "group")
+
+
+def parse_resident_units(text: str) -> int | None:
+    """argparse type for ``--resident-units``: an integer >= 0, ``all`` (-1) or ``auto`` (None)."""
+    return None if text == "auto" else int_or_keyword("all", -1, 0)(text)
 MIN_STEP_TIMEOUT_S = 2.0
 ENV_PREFIX = "HSDP_"
 GROUPS = ("model", "group", "http", "admission", "memory", "timeouts", "speed")
@@ -63,6 +68,7 @@ class Option:
     metavar: str | None = None
     secret: bool = False  # never shown: not in --help defaults, not in logs
     switch: bool = False  # a boolean: --NAME / --no-NAME, and 1/0, true/false, yes/no as a variable
+    none_means: str | None = None  # how a user spells the None default ("auto"), where it has a spelling
 
 
 def option(default, help: str, group: str, **kwargs):
@@ -142,11 +148,14 @@ class ServeConfig:
 
     prefetch_depth: int = option(2, "units whose all-gathers each unit's forward starts ahead; 0: none", "speed",
                                  type=int, metavar="N")
-    all_gather: str = option("auto", "shm: through shared memory (CPU ranks of one host); group: the process "
-                             "group's (gloo, NCCL); auto: shm where every rank maps the same /dev/shm", "speed",
+    all_gather: str = option("auto", "shm: through shared memory (CPU ranks of one host), resident units in one "
+                             "shared copy per host; group: the process group's (gloo, NCCL), resident units copied "
+                             "on every rank; auto: shm where every rank maps the same /dev/shm", "speed",
                              choices=ALL_GATHERS)
-    resident_units: int = option(0, "units (in forward order) that keep their gathered parameters: speed for "
-                                 "memory; all: every unit", "speed", type=int_or_keyword("all", -1, 0), metavar="K|all")
+    resident_units: int | None = option(
+        None, "units (in forward order) that keep their gathered parameters; all: every unit; auto: all where the "
+        "shard group shares one host's memory (one shared copy per host, no more memory than the shards), else 0",
+        "speed", type=parse_resident_units, metavar="K|all|auto", none_means="auto")
 
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
@@ -173,7 +182,7 @@ class ServeConfig:
             raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
         if self.prefetch_depth < 0:
             raise ValueError(f"--prefetch-depth must be >= 0, got {self.prefetch_depth}")
-        if self.resident_units < -1:
+        if self.resident_units is not None and self.resident_units < -1:
             raise ValueError(f"--resident-units must be >= 0 or 'all', got {self.resident_units}")
         if self.collective_timeout_s <= 0:
             raise ValueError("--collective-timeout must be positive")
@@ -210,6 +219,8 @@ ENVIRONMENT = {
 
 def show_default(f) -> str | None:
     """The default as a user would type it, or None where there is none to show."""
+    if f.default is None and f.metadata["option"].none_means:
+        return f.metadata["option"].none_means
     if f.default is MISSING or f.default is None or f.metadata["option"].secret:
         return None
     if f.metadata["option"].switch:

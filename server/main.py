@@ -83,6 +83,24 @@ def _replicas(mesh_shape: tuple[int, int]) -> list[list[int]]:
     return [[r * shard + s for s in range(shard)] for r in range(replicate)]
 
 
+def _make_resident(model, cfg: ServeConfig, device):
+    """``--resident-units``: ``auto`` makes every unit resident where the shard group can hold them
+    in one shared copy per host (CPU ranks of one host, ``--all-gather`` not ``group``) and none
+    elsewhere; a count is kept as asked, shared where it can be and private otherwise."""
+    from shard_engine import set_resident_units
+
+    share = device.type == "cpu" and cfg.all_gather != "group"
+    if cfg.resident_units is None:
+        if share:
+            residency = set_resident_units(model, -1, shared=True, fallback_private=False)
+            if residency.shared:
+                logger.info("every unit resident in one shared copy for this host (%.1f MB, %d ranks)",
+                            residency.shared_bytes / 1e6, residency.shared_with)
+                return residency
+        return set_resident_units(model, 0)
+    return set_resident_units(model, cfg.resident_units, shared=share)
+
+
 def serve_rank(cfg: ServeConfig, source) -> None:
     """Every rank's body; ``source`` is the resolved :class:`loaders.sources.ModelSource`."""
     from loaders import load_hsdp_model
@@ -94,7 +112,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
     from server.state import ServerState
     from server.watchdog import StepWatchdog
     from shard_engine import (HSDPInferenceConfig, enable_forward_prefetch, enable_shared_memory_all_gather,
-                              set_resident_units, slots_for_depth)
+                              shared_weights_of, slots_for_depth)
 
     hsdp = HSDPInferenceConfig(replicate_size=cfg.replicate_size, shard_size=cfg.shard_size)
     tune_allocator()  # server.memory says why
@@ -117,12 +135,13 @@ def serve_rank(cfg: ServeConfig, source) -> None:
         release_freed_memory()  # the load's read buffers (server.memory says why)
         if cfg.prefetch_depth:
             enable_forward_prefetch(loaded.model, depth=cfg.prefetch_depth)
-        if cfg.all_gather == "shm" or (cfg.all_gather == "auto" and cfg.resident_units != -1):
+        shards = tensor_bytes(loaded.model)  # now, while every unit is sharded
+        residency = _make_resident(loaded.model, cfg, device)  # collective: the same on every rank
+        if cfg.all_gather == "shm" or (cfg.all_gather == "auto" and len(residency.units) < residency.total_units):
             # (with every unit resident nothing is gathered after startup: auto leaves it be)
             shm_pool = enable_shared_memory_all_gather(loaded.model, slots=slots_for_depth(cfg.prefetch_depth))
             if shm_pool is None and cfg.all_gather == "shm":
                 raise ValueError("--all-gather shm: the ranks cannot share memory (see the log); use auto or group")
-        residency = set_resident_units(loaded.model, cfg.resident_units)  # collective: same on every rank
         geometry = KVGeometry.of(loaded.model)
         available = size_kv_pool(cfg.kv_cache_memory, geometry, cfg.kv_block_size, device)
         per_rank = [None] * world_size
@@ -130,10 +149,13 @@ def serve_rank(cfg: ServeConfig, source) -> None:
         dist.all_gather_object(per_rank, (loaded.stats.bytes_read, residency.extra_bytes, available))
         engine = RankEngine(loaded.model, device, rank, num_blocks=available, block_size=cfg.kv_block_size)
         release_freed_memory()
-        shards = tensor_bytes(loaded.model)
+        weights = shared_weights_of(loaded.model)
+        # shards that are views of the host's shared copy are counted once, in its share
+        shards -= weights.shard_view_bytes if weights is not None else 0
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         engine.memory = MemoryReport(shards=shards, resident=residency.extra_bytes, kv_pool=engine.cache.nbytes,
-                                     ring=shm_pool, ring_sharers=local_ranks)
+                                     ring=shm_pool, ring_sharers=local_ranks, shared_weights=residency.shared_bytes,
+                                     shared_weights_sharers=residency.shared_with)
         channel = ControlChannel(cfg.collective_timeout_s)
         if rank == 0:
             limits = _resolve_limits(cfg, loaded.config)
@@ -183,7 +205,9 @@ def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg
     state.metrics.load_seconds.set(loaded.stats.phase_seconds["total"])
     state.metrics.loaded_bytes.set(sum(read for read, _, _ in per_rank))
     state.residency = dict(residency.as_dict(), extra_bytes_per_rank=[extra for _, extra, _ in per_rank],
-                           prefetch_depth=cfg.prefetch_depth, all_gather="shm" if shm_pool is not None else "group")
+                           prefetch_depth=cfg.prefetch_depth,
+                           all_gather="shm" if shm_pool is not None else
+                           "none" if len(residency.units) == residency.total_units else "group")
     state.metrics.resident_units.set(len(residency.units))
     state.metrics.sharded_units.set(residency.total_units)
     for r, (_, extra, _) in enumerate(per_rank):
@@ -194,7 +218,8 @@ def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg
         state.metrics.kv_blocks.labels(str(r), "total").set(pool.num_blocks)
         state.metrics.kv_blocks.labels(str(r), "used").set_function(lambda pool=pool: pool.num_used)
         state.metrics.kv_blocks.labels(str(r), "cached").set_function(lambda pool=pool: pool.num_cached)
-        for kind in ("shards", "resident", "gather_ring_share", "kv_pool", "runtime", "rss", "pss"):
+        for kind in ("shards", "resident", "shared_weights_share", "gather_ring_share", "kv_pool", "runtime", "rss",
+                     "pss"):
             state.metrics.rank_memory.labels(str(r), kind).set_function(
                 lambda r=r, kind=kind: (scheduler.rank_memory[r] or {}).get(kind, 0))
     state.dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")

@@ -98,14 +98,19 @@ def tensor_bytes(model: nn.Module) -> int:
 class MemoryReport:
     """One rank's accounting; the fixed parts are measured once, the process's figures each time."""
 
-    def __init__(self, *, shards: int, resident: int, kv_pool: int, ring=None, ring_sharers: int = 1):
-        self.fixed = {"shards": shards, "resident": resident, "kv_pool": kv_pool}
+    def __init__(self, *, shards: int, resident: int, kv_pool: int, ring=None, ring_sharers: int = 1,
+                 shared_weights: int = 0, shared_weights_sharers: int = 1):
+        # shards: private shard bytes; resident: private gathered copies; shared_weights: the
+        # host's one copy of the resident units (shards that are views of it are counted there)
+        self.fixed = {"shards": shards, "resident": resident, "kv_pool": kv_pool, "shared_weights": shared_weights,
+                      "shared_weights_share": shared_weights // max(1, shared_weights_sharers)}
         self.ring, self.ring_sharers = ring, max(1, ring_sharers)  # the ring grows at the first forwards
 
     def snapshot(self) -> dict[str, int]:
         ring = self.ring.nbytes if self.ring is not None else 0
         parts = {**self.fixed, "gather_ring": ring, "gather_ring_share": ring // self.ring_sharers}
         now = process_memory()
-        accounted = parts["shards"] + parts["resident"] + parts["gather_ring_share"] + parts["kv_pool"]
+        accounted = (parts["shards"] + parts["resident"] + parts["shared_weights_share"] + parts["gather_ring_share"]
+                     + parts["kv_pool"])
         return {**parts, **now, "runtime": max(0, now["pss"] - accounted)}
 

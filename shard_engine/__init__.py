@@ -11,6 +11,7 @@ from shard_engine.overlap import (
     fsdp_units,
     local_parameter_bytes,
     set_resident_units,
+    shared_weights_of,
 )
 from shard_engine.shm_all_gather import (
     SharedMemoryAllGather,
@@ -60,6 +61,7 @@ __all__ = [
     "prepare_hsdp_shard_context",
     "select_units",
     "set_resident_units",
+    "shared_weights_of",
     "shard_hsdp_module",
     "shard_model",
     "slots_for_depth",

@@ -64,31 +64,67 @@ class Residency:
     units: list[str] = field(default_factory=list)
     """Qualified names of the resident units ('' is the root)."""
 
+    shared_bytes: int = 0
+    """Bytes of the host's one shared copy of the resident units (``shared=True``), mapped by every
+    rank of the shard group; each rank's local shards are views of it."""
+
+    shared_with: int = 1
+    """Ranks mapping that copy: each one's proportional share is ``shared_bytes / shared_with``."""
+
     total_units: int = 0
     extra_bytes: int = 0
     """Memory this rank holds beyond its shards: the gathered parameters of the resident units."""
 
+    @property
+    def shared(self) -> bool:
+        return self.shared_bytes > 0
+
     def as_dict(self) -> dict:
         return {"units": len(self.units), "of": self.total_units, "names": self.units,
-                "extra_bytes_per_rank": self.extra_bytes}
+                "extra_bytes_per_rank": self.extra_bytes, "shared_bytes": self.shared_bytes,
+                "shared_with": self.shared_with}
 
 
-def set_resident_units(model: nn.Module, count: int) -> Residency:
+def set_resident_units(model: nn.Module, count: int, *, shared: bool = False,
+                       fallback_private: bool = True) -> Residency:
     """Keep the gathered parameters of the first ``count`` units in forward order (-1: all of them).
 
     Resident units are gathered once, now (a collective), and never resharded: later forwards
     skip their all-gathers. The others gather and free their parameters in every forward. May be
     called again with another count; units that stop being resident are resharded.
+
+    ``shared``: where the shard group's ranks share a host's memory, the resident units are
+    gathered into one shared copy per host instead of one per rank, and each rank's shards become
+    views of it (:mod:`shard_engine.shared_weights`): no extra memory per host. Elsewhere (GPUs,
+    several hosts) the copies stay private, as without it, or with ``fallback_private=False`` no
+    unit is made resident (the returned Residency then lists none).
     """
+    from shard_engine.shared_weights import share_resident_units
+
     units = fsdp_units(model)
     count = len(units) if count < 0 else min(count, len(units))
     names = {id(m): name for name, m in model.named_modules()}
-    residency = Residency(total_units=len(units))
+    previous = getattr(model, "_hsdp_shared_weights", None)
+    if previous is not None:  # shared storage must become private before FSDP may reshard it
+        previous.release()
+        model._hsdp_shared_weights = None
+    residency = Residency(total_units=len(units), units=[names[id(u)] for u in units[:count]])
+    if shared and count:
+        for unit in units:  # sharing starts from sharded units
+            unit.set_reshard_after_forward(True, recurse=False)
+            unit.reshard()
+        weights = share_resident_units(model, count)
+        if weights is not None:
+            model._hsdp_shared_weights = weights
+            residency.shared_bytes, residency.shared_with = weights.nbytes, weights.sharers
+            return residency
+        if not fallback_private:
+            residency.units = []
+            return residency
     for i, unit in enumerate(units):
         resident = i < count
         unit.set_reshard_after_forward(not resident)
         if resident:
-            residency.units.append(names[id(unit)])
             residency.extra_bytes += _gathered_extra_bytes(unit)
     for i, unit in enumerate(units):  # gather now, in the same order on every rank
         if i < count:
@@ -96,6 +132,11 @@ def set_resident_units(model: nn.Module, count: int) -> Residency:
         else:
             unit.reshard()
     return residency
+
+
+def shared_weights_of(model: nn.Module):
+    """The :class:`shard_engine.shared_weights.SharedWeights` of ``model``'s resident units, or None."""
+    return getattr(model, "_hsdp_shared_weights", None)
 
 
 def _gathered_extra_bytes(unit: FSDPModule) -> int:

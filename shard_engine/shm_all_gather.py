@@ -144,7 +144,7 @@ def enable_shared_memory_all_gather(model: nn.Module, *, slots: int = 5, run_id:
 
 def cleanup_run(run_id: str) -> None:
     """Remove what a run's ranks left under /dev/shm (for a launcher, after its ranks ended)."""
-    prefix = f"hsdp-{run_id}-g"
+    prefix = f"hsdp-{run_id}-"  # the gather rings (-g) and the shared resident weights (-w)
     try:
         names = os.listdir(SHM_ROOT)
     except OSError:

@@ -99,6 +99,81 @@ def test_prefetch_and_residency_keep_outputs_and_save_gathers(tmp_path, llama):
         assert r["shm_dir"].startswith("/dev/shm/hsdp-") and not r["shm_dir_left"]
 
 
+def _shared_residency(rank, world_size, path):
+    """Residency through one shared copy per host: outputs, gathers, files and views, then back."""
+    import os
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from loaders import load_hsdp_model
+    from shard_engine import HSDPInferenceConfig, fsdp_units, set_resident_units, shared_weights_of
+
+    model = load_hsdp_model(path, HSDPInferenceConfig()).model
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 9, 2, 7, 1, 3]]) + rank
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+    gathers = {"n": 0}
+    original = dist.all_gather_single
+
+    def counting(*args, **kwargs):
+        gathers["n"] += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather_single = counting
+    out = {"units": len(fsdp_units(model)), "runs": [],
+           "whole_bytes": sum(p.numel() * p.element_size() for p in reference.parameters())}
+    for count, shared in [(-1, True), (0, False), (2, True), (-1, False), (-1, True), (0, False)]:
+        residency = set_resident_units(model, count, shared=shared)
+        weights = shared_weights_of(model)
+        run = {"resident": residency.as_dict(), "counts": [], "exact": []}
+        if weights is not None:
+            run["file"] = weights.path
+            run["file_exists"] = os.path.exists(weights.path)
+            run["shard_view_bytes"] = weights.shard_view_bytes
+            # the module's parameters and the local shards both live in the shared mapping
+            first = fsdp_units(model)[1]  # the embeddings
+            embed = first.weight
+            base = weights.tensor(0, 1, torch.uint8).data_ptr()
+            run["param_in_mapping"] = base <= embed.data_ptr() < base + weights.nbytes
+        for _ in range(2):
+            gathers["n"] = 0
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits
+            run["counts"].append(gathers["n"])
+            run["exact"].append(torch.allclose(logits, expected, rtol=1e-5, atol=1e-5))
+        out["runs"].append(run)
+    dist.all_gather_single = original
+    return out
+
+
+def test_shared_residency_holds_one_copy_per_host_and_gathers_nothing(tmp_path, llama):
+    import os
+
+    results = values(run_ranks(_shared_residency, 2, tmp_path, llama, timeout=300))
+    for r in results:
+        units = r["units"]
+        shared_all, none, shared_two, private_all, shared_again, back = r["runs"]
+        for run in r["runs"]:
+            assert run["exact"] == [True, True]
+        # all resident, shared: nothing gathered per forward, no private copy, one file per host
+        assert shared_all["counts"] == [0, 0] and shared_all["resident"]["units"] == units
+        assert shared_all["resident"]["extra_bytes_per_rank"] == 0
+        assert shared_all["resident"]["shared_with"] == 2
+        assert r["whole_bytes"] <= shared_all["resident"]["shared_bytes"] < r["whole_bytes"] + 64 * 64
+        assert shared_all["file_exists"] and shared_all["file"].startswith("/dev/shm/hsdp-")
+        assert shared_all["param_in_mapping"] and shared_all["shard_view_bytes"] > 0
+        # released: the file is gone, every unit gathers again
+        assert none["counts"] == [units, units] and not os.path.exists(shared_all["file"])
+        assert shared_two["counts"] == [units - 2, units - 2]
+        assert 0 < shared_two["resident"]["shared_bytes"] < shared_all["resident"]["shared_bytes"]
+        assert private_all["counts"] == [0, 0] and private_all["resident"]["extra_bytes_per_rank"] > 0
+        assert shared_again["counts"] == [0, 0] and shared_again["resident"]["extra_bytes_per_rank"] == 0
+        assert back["counts"] == [units, units]
+    assert results[0]["runs"][0]["file"] == results[1]["runs"][0]["file"]  # the same file on both ranks
+
+
 def _shm_unavailable(rank, world_size, path):
     from loaders import load_hsdp_model
     from shard_engine import HSDPInferenceConfig, enable_shared_memory_all_gather

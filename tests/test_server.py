@@ -75,6 +75,8 @@ def test_ready_moves_from_loading_to_ready(served):
 
 
 def test_health_and_info(served):
+    from transformers import AutoModelForCausalLM
+
     server, path, _ = served
     assert server.client.get("/health").json()["status"] == "ok"
     info = server.client.get("/info").json()
@@ -82,9 +84,18 @@ def test_health_and_info(served):
     assert info["mesh_shape"] == {"replicate": 1, "shard": 2}
     assert info["max_total_tokens"] == 256 and info["max_input_tokens"] == 255
     assert info["model_dtype"] == "float32"
-    # CPU ranks of one host: gathers go through shared memory, nothing resident, prefetch depth 2
-    assert info["residency"] == {"units": 0, "of": 6, "names": [], "extra_bytes_per_rank": [0, 0],
-                                 "prefetch_depth": 2, "all_gather": "shm"}
+    # CPU ranks of one host (--resident-units auto): every unit resident in one shared copy for the
+    # host (as large as the model, each rank's shards views of it), nothing private, nothing gathered
+    residency = info["residency"]
+    whole = sum(t.numel() * t.element_size() for t in AutoModelForCausalLM.from_pretrained(path).parameters())
+    assert whole <= residency.pop("shared_bytes") < whole + 64 * 64
+    assert residency == {"units": 6, "of": 6, "names": ["", "model.embed_tokens", "model.layers.0",
+                                                        "model.layers.1", "model.layers.2", "lm_head"],
+                         "extra_bytes_per_rank": [0, 0], "shared_with": 2, "prefetch_depth": 2, "all_gather": "none"}
+    for rank in info["ranks"]:
+        memory = rank["memory"]
+        assert memory["shared_weights"] >= whole and memory["shared_weights_share"] == memory["shared_weights"] // 2
+        assert memory["shards"] < whole // 4  # the shards are views of the shared copy: only buffers are private
 
 
 def test_greedy_matches_transformers(served, reference):
