@@ -67,6 +67,14 @@ def describe_layout(model: nn.Module) -> ModelLayout:
         if name in persistent:
             expected[name] = buf
     patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    # As from_pretrained (_adjust_missing_and_unexpected_keys): older checkpoints carry buffers that
+    # are no longer persistent, a per-layer rotary_emb.inv_freq and position_ids; skipped where the
+    # model still has such a buffer (not saved), an error elsewhere.
+    buffers = [name for name, _ in model.named_buffers()]
+    if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+        patterns.append(re.compile(r"rotary_emb\.inv_freq"))
+    if any(name.endswith("position_ids") for name in buffers):
+        patterns.append(re.compile(r"(^|\.)position_ids$"))
     return ModelLayout(expected, aliases, patterns)
 
 

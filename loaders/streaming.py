@@ -128,6 +128,7 @@ class _StreamingLoad:
         self.model, self.context, self.files = model, context, files
         self.read_mode, self.may_cast, self.stats = read_mode, may_cast, stats
         self.progress = progress
+        self.skipped: list[str] = []  # checkpoint tensors the model does not use, as from_pretrained skips them
         self.layout = describe_layout(model)
         self.strip, self.add = match_key_prefix(model, set(files.tensors), set(self.layout.expected))
         shard_mesh = context.mesh["shard"]
@@ -186,6 +187,9 @@ class _StreamingLoad:
             for path in self.files.files:
                 bar.set_postfix_str(os.path.basename(path), refresh=False)
                 self._read_file(path, bar)
+        if self.skipped and _is_rank_zero():
+            logger.info("skipped %d checkpoint tensor(s) the model does not use, as from_pretrained does: %s%s",
+                        len(self.skipped), ", ".join(self.skipped[:3]), ", ..." if len(self.skipped) > 3 else "")
         missing = sorted(set().union(*(u.remaining for u in self.units)))
         if missing:
             raise MissingTensorError(
@@ -223,6 +227,7 @@ class _StreamingLoad:
         expected = self.layout.expected.get(name)
         if expected is None:
             if any(p.search(name) for p in self.layout.ignore_unexpected):
+                self.skipped.append(key)
                 return
             raise UnexpectedTensorError("the model has no parameter or buffer of this name", path=path, tensor=key)
         if tuple(expected.shape) != info.shape:

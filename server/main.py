@@ -128,6 +128,10 @@ def serve_rank(cfg: ServeConfig, source) -> None:
         )
         http = start_http_server(build_app(state, max_body_bytes=cfg.max_body_bytes), cfg.host, cfg.port)
     try:
+        from loaders.checkpoint import load_config
+        from server.engine.capability import check_servable
+
+        check_servable(load_config(source.path))  # again under torchrun, where no launcher ran it
         loaded = load_hsdp_model(
             source.path, hsdp, device=device, dtype=cfg.torch_dtype or "auto", read_mode=cfg.read_mode,
             progress=state.set_load_progress if state else None, require_tokenizer=True,
@@ -258,10 +262,14 @@ def _ignore_stop_signals() -> None:
     signal.signal(signal.SIGINT, note)
 
 
-def _check_before_launch(cfg: ServeConfig) -> None:
+def _check_before_launch(cfg: ServeConfig, source) -> None:
     """What can fail before any rank starts fails here, in one line."""
+    from loaders.checkpoint import load_config
+    from server.engine.capability import check_servable
     from server.launch import is_under_torchrun, resolve_nproc_per_node
     from shard_engine import HSDPInferenceConfig
+
+    check_servable(load_config(source.path))  # a model the engine cannot serve is refused unread
 
     cfg.nproc_per_node = resolve_nproc_per_node(cfg.nproc_per_node, resolve_device_type(cfg.device))
     if not is_under_torchrun():
@@ -284,6 +292,7 @@ SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_p
 
 
 def main(argv: list[str] | None = None) -> None:
+    from loaders.errors import CheckpointError
     from loaders.sources import resolve_model_on_node
 
     cfg = parse_serve_config(argv)
@@ -294,12 +303,12 @@ def main(argv: list[str] | None = None) -> None:
         # Before the ranks start (one process per node fetches), so they never race.
         source = resolve_model_on_node(cfg.model, revision=cfg.revision)
         logger.info("serving %s (%s, %s)", cfg.served_model_name or source.name, source.kind, source.path)
-        _check_before_launch(cfg)
+        _check_before_launch(cfg, source)
         launch_group(serve_rank, (cfg, source), nproc_per_node=cfg.nproc_per_node, log_level=cfg.log_level,
                      shutdown_timeout_s=int(cfg.shutdown_timeout_s) + 15, title="hsdp-serve")
     except GroupError as e:
         print(f"hsdp-serve: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except ValueError as e:
+    except (ValueError, CheckpointError) as e:
         print(f"hsdp-serve: {e}", file=sys.stderr)
         sys.exit(2)

@@ -68,8 +68,8 @@ class SharedWeights:
     @property
     def shard_view_bytes(self) -> int:
         """Bytes of this rank's local shards that are views of the shared file, not private memory."""
-        return sum(p._sharded_param_data.numel() * p._sharded_param_data.element_size()
-                   for p, *_, is_view in self._entries if is_view)
+        return sum(p.sharded_param._local_tensor.numel() * p.sharded_param._local_tensor.element_size()
+                   for p, *_, is_view in self._entries if is_view)  # without FSDP's padding, as shards count
 
     def tensor(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(self._map, dtype=dtype, count=numel, offset=offset)

@@ -121,6 +121,21 @@ def test_dtype_argument_casts_instead_of_failing(tmp_path, checkpoints):
     assert all(r["dtype"][0] == "ok" for r in results)
 
 
+def test_stale_buffers_of_older_checkpoints_are_skipped(tmp_path, checkpoints):
+    """As from_pretrained: a per-layer rotary_emb.inv_freq (no longer saved) is skipped, while
+    position_ids, which a Llama never had, is still an unexpected tensor."""
+    key = "model.layers.1.mlp.down_proj.weight"
+    stale = _copy(checkpoints["llama"], tmp_path / "stale")
+    _rewrite(stale, key, lambda t: t.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8)
+                                             for i in range(3)}))
+    foreign = _copy(checkpoints["llama"], tmp_path / "foreign")
+    _rewrite(foreign, key, lambda t: t.update({"model.embed_tokens.position_ids": torch.arange(8)}))
+    results = values(run_ranks(_try_loads, 2, tmp_path, {"stale": stale, "foreign": foreign}, timeout=180))
+    for r in results:
+        assert r["stale"][0] == "ok"
+        assert r["foreign"][:3:2] == ("UnexpectedTensorError", "model.embed_tokens.position_ids")
+
+
 def test_failure_on_one_rank_reaches_every_rank(tmp_path, checkpoints):
     """One rank's files are bad (early, at the header; late, a missing tensor): both ranks raise."""
     good = checkpoints["llama"]

@@ -13,18 +13,27 @@ from its own blocks:
 Memory per layer is O(the tokens attended), never O(row x all keys): the chunk cap
 (``--max-batch-prefill-tokens``) bounds the largest mask.
 
+Each layer's own variant, read from what the model's attention module passes (as its eager
+attention reads it): a sliding window (``sliding_window``: a query at position q sees keys at
+positions above q - window), logit soft-capping (``softcap``: scores become
+softcap * tanh(scores / softcap)), attention sinks (``s_aux``: one extra logit per head that takes
+probability mass and contributes no value), the module's own ``scaling``, and keys and values of
+different head dims (multi-head latent attention). Chunks that need soft-capping or sinks are
+computed without SDPA, which has neither.
+
 A forward without the ``hsdp_paged`` keyword (an idle rank's one-token forward) gets SDPA.
-Layers that need what this does not implement (sliding windows, logit soft-capping, attention
-sinks) raise :class:`UnsupportedAttention`.
+A layer asking for anything else raises :class:`UnsupportedAttention`.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
 
 ATTN_IMPLEMENTATION = "hsdp_paged"
-_UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux")
+_UNSUPPORTED_KWARGS = ()  # every keyword an attention module passes is implemented or ignored
 
 
 class UnsupportedAttention(NotImplementedError):
@@ -74,7 +83,7 @@ def _slots_at(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> 
 
 
 class _DecodeGroup:
-    __slots__ = ("rows_S", "slots_SL", "valid_SL")
+    __slots__ = ("rows_S", "slots_SL", "valid_SL", "positions_L", "contexts_S")
 
     def __init__(self, rows, contexts, tables, block_size: int, device):
         longest = max(contexts)
@@ -86,15 +95,30 @@ class _DecodeGroup:
         self.rows_S = torch.tensor(rows, dtype=torch.long, device=device)
         self.slots_SL = slots_SL.to(device)
         self.valid_SL = (torch.arange(longest)[None, :] < torch.tensor(contexts)[:, None]).to(device)
+        self.positions_L = torch.arange(longest, device=device)
+        self.contexts_S = torch.tensor(contexts, device=device)
+
+    def valid(self, window: int | None) -> torch.Tensor:
+        """[S, L]: the keys each decoding query sees (its own position is its context - 1)."""
+        if window is None:
+            return self.valid_SL
+        return self.valid_SL & (self.positions_L[None, :] >= (self.contexts_S - window)[:, None])
 
 
 class _Chunk:
-    __slots__ = ("row", "count", "slots_L", "mask_QL")
+    __slots__ = ("row", "count", "slots_L", "mask_QL", "q_pos", "k_pos")
 
     def __init__(self, row: int, start: int, count: int, slots_L: torch.Tensor, device):
         self.row, self.count, self.slots_L = row, count, slots_L
-        q_pos = torch.arange(start, start + count, device=device)
-        self.mask_QL = torch.arange(slots_L.numel(), device=device)[None, :] <= q_pos[:, None]
+        self.q_pos = torch.arange(start, start + count, device=device)
+        self.k_pos = torch.arange(slots_L.numel(), device=device)
+        self.mask_QL = self.k_pos[None, :] <= self.q_pos[:, None]
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[Q, L]: causal, and within ``window`` positions where the layer has one."""
+        if window is None:
+            return self.mask_QL
+        return self.mask_QL & (self.k_pos[None, :] > (self.q_pos - window)[:, None])
 
 
 class PagedKVCache:
@@ -103,11 +127,13 @@ class PagedKVCache:
     Duck-types the part of transformers' Cache that attention layers call."""
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, value_head_dim: int | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (kv_heads, num_blocks * block_size, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        slots = num_blocks * block_size
+        value_dim = value_head_dim or head_dim
+        self.keys = [torch.zeros((kv_heads, slots, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros((kv_heads, slots, value_dim), dtype=dtype, device=device)
+                       for _ in range(num_layers)]
         self.layout: PagedLayout | None = None
 
     @property
@@ -117,9 +143,12 @@ class PagedKVCache:
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         # [1, kv heads, T, d] -> this step's slots of the layer's pool; attention reads the pool
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if key_states.shape[1] != keys.shape[0] or key_states.shape[-1] != keys.shape[-1]:
-            raise UnsupportedAttention(f"layer {layer_idx} has keys of shape {tuple(key_states.shape)}, the pool "
-                                       f"[{keys.shape[0]} heads, dim {keys.shape[-1]}]")
+        if (key_states.shape[1] != keys.shape[0] or key_states.shape[-1] != keys.shape[-1]
+                or value_states.shape[-1] != values.shape[-1]):
+            raise UnsupportedAttention(
+                f"layer {layer_idx} has keys of shape {tuple(key_states.shape)} and values of "
+                f"{tuple(value_states.shape)}, the pool [{keys.shape[0]} heads, key dim {keys.shape[-1]}, value dim "
+                f"{values.shape[-1]}]")
         keys.index_copy_(1, self.layout.slots_T, key_states[0])
         values.index_copy_(1, self.layout.slots_T, value_states[0])
         return keys, values
@@ -129,52 +158,103 @@ class PagedKVCache:
 
 
 def paged_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                    hsdp_paged: PagedLayout | None = None, **kwargs):
+                    hsdp_paged: PagedLayout | None = None, sliding_window: int | None = None,
+                    softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     """An attention function for transformers' AttentionInterface: query [1, H, T, d]; key and
     value the layer's whole pool [Hkv, slots, d] (from :meth:`PagedKVCache.update`); returns
-    ([1, T, H, d], None) like transformers' SDPA."""
+    ([1, T, H, dv], None) like transformers' SDPA."""
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise UnsupportedAttention(f"{type(module).__name__} asks for {name}={kwargs[name]!r}, which the paged "
                                        "engine does not implement")
     if hsdp_paged is None:  # no cache: an idle rank's forward, or a plain call
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return _unpaged(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                        sliding_window=sliding_window, softcap=softcap, s_aux=s_aux, **kwargs)
     heads, dim = query.shape[1], query.shape[3]
     scale = dim ** -0.5 if scaling is None else scaling
+    variant = _Variant(sliding_window, softcap, s_aux)
     query_HTd = query[0]
-    out_THd = query.new_empty(query.shape[2], heads, dim)
+    out_THd = query.new_empty(query.shape[2], heads, value.shape[-1])
     if hsdp_paged.decode is not None:
-        _attend_decode(hsdp_paged.decode, query_HTd, key, value, scale, out_THd)
+        _attend_decode(hsdp_paged.decode, query_HTd, key, value, scale, variant, out_THd)
     for chunk in hsdp_paged.prefill:
-        _attend_chunk(chunk, query_HTd, key, value, scale, out_THd)
+        _attend_chunk(chunk, query_HTd, key, value, scale, variant, out_THd)
     return out_THd.unsqueeze(0), None
 
 
-def _attend_decode(group: _DecodeGroup, query_HTd, key_HNd, value_HNd, scale: float, out_THd) -> None:
+def _unpaged(module, query, key, value, attention_mask, *, softcap, s_aux, **kwargs):
+    """SDPA, or where the layer needs what SDPA lacks (soft-capping, sinks) the model's own eager
+    attention (its module's ``eager_attention_forward``, which implements them)."""
+    if softcap is None and s_aux is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise UnsupportedAttention(f"{type(module).__name__} asks for soft-capping or sinks and its module has no "
+                                   "eager attention to compute them")
+    extra = {"softcap": softcap} if softcap is not None else {}
+    if s_aux is not None:
+        extra["s_aux"] = s_aux
+    return eager(module, query, key, value, attention_mask, **extra, **kwargs)
+
+
+class _Variant:
+    """A layer's departures from plain causal attention."""
+
+    __slots__ = ("window", "softcap", "sinks_H")
+
+    def __init__(self, window, softcap, sinks_H):
+        self.window = int(window) if window is not None else None
+        self.softcap = float(softcap) if softcap is not None else None
+        self.sinks_H = sinks_H
+
+    def probabilities(self, scores, valid, sinks_shape: tuple[int, ...]) -> torch.Tensor:
+        """Softmax over float32 ``scores`` (keys last) where ``valid``, after soft-capping, with the
+        sinks' extra logit per head (viewed as ``sinks_shape``, broadcast over the keys) taking
+        its share, as the models' eager attention does."""
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~valid, float("-inf"))
+        if self.sinks_H is None:
+            return torch.softmax(scores, dim=-1)
+        sinks = self.sinks_H.float().view(sinks_shape).expand(*scores.shape[:-1], 1)
+        combined = torch.cat([scores, sinks], dim=-1)
+        combined = combined - combined.amax(dim=-1, keepdim=True)
+        return torch.softmax(combined, dim=-1)[..., :-1]
+
+
+def _attend_decode(group: _DecodeGroup, query_HTd, key_HNd, value_HNd, scale: float, variant: _Variant,
+                   out_THd) -> None:
     heads, _, dim = query_HTd.shape
-    kv_heads = key_HNd.shape[0]
+    kv_heads, value_dim = key_HNd.shape[0], value_HNd.shape[-1]
     groups = heads // kv_heads
     num_seqs, length = group.slots_SL.shape
     # queries [Hkv, S, G, d]: the G query heads sharing a key head, per sequence
     q = query_HTd.index_select(1, group.rows_S).view(kv_heads, groups, num_seqs, dim).transpose(1, 2)
     k = key_HNd.index_select(1, group.slots_SL.flatten()).view(kv_heads, num_seqs, length, dim)
-    v = value_HNd.index_select(1, group.slots_SL.flatten()).view(kv_heads, num_seqs, length, dim)
+    v = value_HNd.index_select(1, group.slots_SL.flatten()).view(kv_heads, num_seqs, length, value_dim)
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [Hkv, S, G, L]
-    scores.masked_fill_(~group.valid_SL[None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v)  # [Hkv, S, G, d]; head = kv_head * G + g
-    out_THd.index_copy_(0, group.rows_S, out.permute(1, 0, 2, 3).reshape(num_seqs, heads, dim))
+    # head = kv_head * G + g
+    probs = variant.probabilities(scores, group.valid(variant.window)[None, :, None, :], (kv_heads, 1, groups, 1))
+    out = torch.matmul(probs.to(v.dtype), v)  # [Hkv, S, G, dv]
+    out_THd.index_copy_(0, group.rows_S, out.permute(1, 0, 2, 3).reshape(num_seqs, heads, value_dim))
 
 
-def _attend_chunk(chunk: _Chunk, query_HTd, key_HNd, value_HNd, scale: float, out_THd) -> None:
+def _attend_chunk(chunk: _Chunk, query_HTd, key_HNd, value_HNd, scale: float, variant: _Variant, out_THd) -> None:
     q = query_HTd[:, chunk.row:chunk.row + chunk.count].unsqueeze(0)  # [1, H, Q, d]
     k = key_HNd.index_select(1, chunk.slots_L).unsqueeze(0)  # [1, Hkv, L, d]
     v = value_HNd.index_select(1, chunk.slots_L).unsqueeze(0)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask_QL, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    mask_QL = chunk.mask(variant.window)
+    if variant.softcap is None and variant.sinks_H is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_QL, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+    else:  # SDPA has neither soft-capping nor sinks: the eager computation, per head group
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [1, H, Q, L]
+        probs = variant.probabilities(scores, mask_QL[None, None], (1, -1, 1, 1))
+        out = torch.matmul(probs.to(v.dtype), v)
     out_THd[chunk.row:chunk.row + chunk.count] = out[0].transpose(0, 1)
 
 

@@ -1,0 +1,99 @@
+"""What the paged engine can serve exactly, decided from the config before any weight is read.
+
+The engine computes attention itself, per sequence, over its paged cache (``attention.py``), and
+packs the tokens of many sequences into one row. A model is served only if both hold for it:
+
+* its attention goes through transformers' attention interface (``_supports_attention_backend``),
+  where the engine's function is plugged in; models with their own attention code (Bloom,
+  Falcon, MPT: ALiBi built inside the module) would bypass the cache;
+* nothing in a sequence's computation depends on the others packed beside it: no recurrent or
+  convolution state carried across the row (state-space and hybrid models), no rope factor taken
+  from the longest position in the row (dynamic NTK, longrope);
+
+and the engine's cache holds what its attention keeps (not the latents of multi-head latent
+attention, which transformers expands over the whole cache at every layer).
+
+:func:`check_servable` raises :class:`UnsupportedModelError` naming the architecture and the
+reason; the server calls it before loading, so the refusal is one line and nothing is read.
+"""
+
+from __future__ import annotations
+
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
+"""``layer_types`` entries the engine computes (full causal, or within a sliding window)."""
+
+STATEFUL_MODEL_TYPES = frozenset({
+    "mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "granitemoehybrid",
+    "lfm2", "lfm2_moe", "recurrent_gemma", "rwkv", "qwen3_next", "nemotron_h", "minimax", "xlstm",
+})
+"""Families whose layers carry recurrent or convolution state (state-space models and hybrids)."""
+
+LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+
+
+class UnsupportedModelError(ValueError):
+    """The engine cannot serve this model exactly; raised before anything is loaded."""
+
+    def __init__(self, architecture: str, reason: str):
+        self.architecture, self.reason = architecture, reason
+        super().__init__(f"{architecture} is not served: {reason}")
+
+
+def check_servable(config, model_class=None) -> None:
+    """Raise :class:`UnsupportedModelError` where the engine cannot serve ``config``'s model exactly.
+
+    ``model_class``: the causal-LM class transformers maps the config to (looked up when None)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    architecture = _architecture(config)
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(architecture, "encoder-decoder models are not decoder-only")
+    model_type = getattr(text, "model_type", "") or getattr(config, "model_type", "")
+    if model_type in STATEFUL_MODEL_TYPES:
+        raise UnsupportedModelError(
+            architecture, "its layers carry recurrent or convolution state between tokens, which the engine does not "
+            "keep per sequence (state-space and hybrid models)")
+    layer_types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ()
+    if other := sorted(set(layer_types) - ATTENTION_LAYER_TYPES):
+        raise UnsupportedModelError(
+            architecture, f"layer types {other} are not computed by the engine (it computes full and sliding-window "
+            "attention; recurrent, convolution and chunked layers are not kept per sequence)")
+    if getattr(text, "kv_lora_rank", None):
+        raise UnsupportedModelError(
+            architecture, "multi-head latent attention caches latents that transformers expands over the whole cache "
+            "in every layer; the engine does not expand them per sequence yet")
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type in LENGTH_DEPENDENT_ROPE:
+        raise UnsupportedModelError(
+            architecture, f"rope_type {rope_type!r} takes its factors from the longest position in the batch, so a "
+            "sequence's output would depend on the sequences packed beside it")
+    if model_class is None:
+        model_class = _causal_lm_class(config, architecture)
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise UnsupportedModelError(
+            architecture, "its attention does not go through transformers' attention interface (it computes its own, "
+            "e.g. with ALiBi), so the engine's paged attention cannot be plugged in")
+
+
+def _architecture(config) -> str:
+    """The name users know the model by: config.json's architectures, else the causal-LM class."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if getattr(config, "architectures", None):
+        return config.architectures[0]
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__
+    except KeyError:
+        return type(config).__name__.removesuffix("Config")
+
+
+def _causal_lm_class(config, architecture: str):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        pass
+    if getattr(config, "auto_map", None):
+        raise UnsupportedModelError(architecture, "it needs remote code (auto_map), which the server does not run")
+    raise UnsupportedModelError(architecture, f"AutoModelForCausalLM has no class for {type(config).__name__}")

@@ -1,0 +1,191 @@
+"""Model families: each served one matches transformers' greedy ``generate`` (eager attention, the
+unsharded model), and each the engine cannot serve is refused before anything is read.
+
+In process, every family runs through the scheduler and a rank engine with prompts longer than
+any sliding window, packed two at a time and chunked; through the real server on 2 ranks, the
+families whose attention departs most from plain causal attention (windows, soft-capping, sinks).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.server_process import REPO, ServerProcess
+
+WINDOW = 8  # shorter than every prompt below
+
+
+def _config(family: str, vocab: int = 300):
+    import transformers as T
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0,
+                  eos_token_id=0, pad_token_id=0)
+    served = {
+        "llama": lambda: T.LlamaConfig(**common),
+        "mistral": lambda: T.MistralConfig(**common, sliding_window=WINDOW),
+        "qwen2": lambda: T.Qwen2Config(**common),
+        "qwen3": lambda: T.Qwen3Config(**common, head_dim=16),
+        "gemma": lambda: T.GemmaConfig(**common, head_dim=16),
+        # soft-capped logits (attention and final), a window on alternate layers, query_pre_attn_scalar
+        "gemma2": lambda: T.Gemma2Config(**common, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=12),
+        "gemma3": lambda: T.Gemma3TextConfig(**common, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=12),
+        "phi3": lambda: T.Phi3Config(**common, sliding_window=WINDOW),
+        "starcoder2": lambda: T.Starcoder2Config(**common, sliding_window=WINDOW),
+        "olmo2": lambda: T.Olmo2Config(**common),
+        "granite": lambda: T.GraniteConfig(**common),
+        "cohere": lambda: T.CohereConfig(**common),
+        "gpt_neox": lambda: T.GPTNeoXConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
+                                            bos_token_id=0, eos_token_id=0),
+        "gpt2": lambda: T.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                                     bos_token_id=0, eos_token_id=0),
+        # attention sinks, a window on alternate layers, experts
+        "gpt_oss": lambda: T.GptOssConfig(**{**common, "intermediate_size": 64}, head_dim=16, sliding_window=WINDOW,
+                                          num_local_experts=4, num_experts_per_tok=2),
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=32),
+        "mixtral": lambda: T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
+    }
+    refused = {
+        "jamba": lambda: T.JambaConfig(**common),
+        "mamba": lambda: T.MambaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2),
+        "lfm2": lambda: T.Lfm2Config(vocab_size=vocab, hidden_size=64, num_hidden_layers=2),
+        "bloom": lambda: T.BloomConfig(vocab_size=vocab, hidden_size=64, n_layer=2, n_head=4),
+        "falcon": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
+        "mpt": lambda: T.MptConfig(vocab_size=vocab, d_model=64, n_layers=2, n_heads=4),
+        "deepseek_v3": lambda: T.DeepseekV3Config(**common, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                                                  qk_nope_head_dim=8, v_head_dim=12),
+        "t5": lambda: T.T5Config(vocab_size=vocab, d_model=64),
+        "llama_dynamic_rope": lambda: T.LlamaConfig(**common, rope_parameters={"rope_type": "dynamic",
+                                                                               "factor": 2.0,
+                                                                               "rope_theta": 10000.0}),
+    }
+    return (served.get(family) or refused[family])()
+
+
+SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "olmo2", "granite",
+          "cohere", "gpt_neox", "gpt2", "gpt_oss", "qwen3_moe", "mixtral"]
+REFUSED = {
+    "jamba": "recurrent or convolution state",
+    "mamba": "recurrent or convolution state",
+    "lfm2": "recurrent or convolution state",
+    "bloom": "attention interface",
+    "falcon": "attention interface",
+    "mpt": "attention interface",
+    "deepseek_v3": "multi-head latent attention",
+    "t5": "encoder-decoder",
+    "llama_dynamic_rope": "rope_type 'dynamic'",
+}
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_served_family_passes_the_capability_check(family):
+    from server.engine.capability import check_servable
+
+    check_servable(_config(family))
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_refused_family_is_refused_with_its_reason(family):
+    from server.engine.capability import UnsupportedModelError, check_servable
+
+    with pytest.raises(UnsupportedModelError, match=REFUSED[family]):
+        check_servable(_config(family))
+
+
+def _reference_tokens(model, prompts, new_tokens):
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out.append(generated[0, len(prompt):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_engine_matches_generate(family):
+    """Two prompts longer than any window, chunked (16 tokens a step) and decoded together."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_engine import Harness
+
+    torch.manual_seed(0)
+    config = _config(family)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    reference.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (21, 34)]
+    expected = _reference_tokens(reference, prompts, 8)
+    harness = Harness(model, blocks=64, block_size=4, prefill=16)
+    harness.scheduler.eos_token_ids = set()
+    outs = [harness.submit(p, 8) for p in prompts]
+    harness.run(lambda: all(o["finish"] is not None or o["error"] for o in outs))
+    assert [o["error"] for o in outs] == [None, None]
+    assert [o["tokens"] for o in outs] == expected
+
+
+def _write(family: str, path) -> str:
+    from transformers import AutoModelForCausalLM
+
+    from tests.checkpoints import tokenizer
+
+    tok = tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(family, vocab=len(tok)))
+    model.save_pretrained(path, max_shard_size="200KB")
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
+def test_server_on_two_ranks_matches_generate(family, tmp_path):
+    """The real server, weights sharded over 2 ranks, two requests at once, prompts past the window."""
+    import concurrent.futures
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.checkpoints import tokenizer
+
+    path = _write(family, tmp_path / family)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = ["Once upon a time there was a server that never hung, and it served every request",
+               "The quick brown fox jumps over the lazy dog while the ranks gather their shards"]
+    expected = []
+    for prompt in prompts:
+        ids = tokenizer()(prompt, return_tensors="pt").input_ids
+        assert ids.shape[1] > WINDOW
+        with torch.no_grad():
+            out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                                     eos_token_id=0, pad_token_id=0)
+        expected.append(out[0, ids.shape[1]:].tolist())
+    with ServerProcess(path, nproc=2, extra_args=("--dtype", "float32"), log_path=tmp_path / "server.log") as server:
+        def generate(prompt):
+            r = server.client.post("/generate", json={"inputs": prompt,
+                                                      "parameters": {"max_new_tokens": 10, "details": True}})
+            assert r.status_code == 200, r.text
+            return [t["id"] for t in r.json()["details"]["tokens"]]
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(generate, prompts))
+    assert got == expected
+
+
+def test_refused_before_anything_is_read(tmp_path):
+    """A hybrid checkpoint (its config alone: there are no weights to read) fails in one line."""
+    path = tmp_path / "jamba"
+    _config("jamba").save_pretrained(path)
+    proc = subprocess.run([sys.executable, "-m", "server", "--model", str(path), "--device", "cpu"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hsdp-serve: ")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert errors[0].startswith("hsdp-serve: JambaForCausalLM is not served: its layers carry recurrent")
