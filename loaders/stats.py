@@ -38,6 +38,10 @@ class LoadStats:
     bytes_read: int = 0
     files_read: int = 0
     tensors_read: int = 0
+    tensors_converted: int = 0
+    """Model tensors made by transformers' weight conversions (fused experts, say) while streaming."""
+    converted_whole_bytes: int = 0
+    """Bytes read whole for conversions that do not keep rows local (every rank reads them)."""
     units_sharded: int = 0
     phase_seconds: dict[str, float] = field(default_factory=dict)
     rss_before_bytes: int = 0

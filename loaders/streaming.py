@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from loaders.checkpoint import list_checkpoint_files, load_config, load_generation_config, load_tokenizer
+from loaders.conversion import ConversionTarget, plan_conversions
 from loaders.dtypes import auto_dtype
 from loaders.errors import (
     CheckpointError,
@@ -130,7 +131,9 @@ class _StreamingLoad:
         self.progress = progress
         self.skipped: list[str] = []  # checkpoint tensors the model does not use, as from_pretrained skips them
         self.layout = describe_layout(model)
-        self.strip, self.add = match_key_prefix(model, set(files.tensors), set(self.layout.expected))
+        # transformers' own renamings and conversions (fused experts, say), planned from the keys
+        self.conversions = plan_conversions(model, files.tensors)
+        self.strip, self.add = match_key_prefix(model, self.conversions.model_keys, set(self.layout.expected))
         shard_mesh = context.mesh["shard"]
         self.shard_size, self.shard_rank = shard_mesh.size(), shard_mesh.get_local_rank()
         # Sharded parameters materialise on the host when FSDP offloads them there.
@@ -187,6 +190,12 @@ class _StreamingLoad:
             for path in self.files.files:
                 bar.set_postfix_str(os.path.basename(path), refresh=False)
                 self._read_file(path, bar)
+        if self.stats.tensors_converted and _is_rank_zero():
+            logger.info("converted %d tensor(s) from the checkpoint's layout as from_pretrained does%s",
+                        self.stats.tensors_converted,
+                        f"; {self.stats.converted_whole_bytes / 1e6:.1f} MB read whole by every rank (conversions "
+                        "that do not keep rows local)" if self.stats.converted_whole_bytes else
+                        " (each rank read its own rows' sources)")
         if self.skipped and _is_rank_zero():
             logger.info("skipped %d checkpoint tensor(s) the model does not use, as from_pretrained does: %s%s",
                         len(self.skipped), ", ".join(self.skipped[:3]), ", ..." if len(self.skipped) > 3 else "")
@@ -217,7 +226,10 @@ class _StreamingLoad:
         self.stats.files_read += 1
 
     def _read_tensor(self, fd: int, path: str, key: str, info) -> None:
-        name = self._model_key(key)
+        if key in self.conversions.target_of:
+            self._read_source(fd, path, key, info, self.conversions.target_of[key])
+            return
+        name = self._model_key(self.conversions.renamed.get(key, key))
         if name is None:
             return
         if name in self.layout.aliases:
@@ -234,6 +246,18 @@ class _StreamingLoad:
             raise ShapeMismatchError(
                 f"checkpoint shape {list(info.shape)} != model shape {list(expected.shape)}", path=path, tensor=key
             )
+        self._check_dtype(expected, info, path, key)
+        if self.read_mode == "sliced" and self._is_sharded(name):
+            start, stop = shard_rows(info.shape[0], self.shard_size, self.shard_rank)
+        else:
+            start, stop = 0, (info.shape[0] if info.shape else 0)
+        # Page-locked whenever the ranks compute on a GPU: FSDP's CPU offload pins its host shards too.
+        data = read_rows(fd, info, start, stop, path=path, pin_memory=self.context.target_device.type == "cuda")
+        self.stats.bytes_read += data.numel() * info.dtype.itemsize
+        self.stats.tensors_read += 1
+        self._deliver(name, data)
+
+    def _check_dtype(self, expected: torch.Tensor, info, path: str, key: str) -> None:
         if expected.dtype != info.dtype and not (
             self.may_cast and expected.dtype.is_floating_point and info.dtype.is_floating_point
         ):
@@ -242,25 +266,81 @@ class _StreamingLoad:
                 path=path,
                 tensor=key,
             )
-        if self.read_mode == "sliced" and self._is_sharded(name):
-            start, stop = shard_rows(info.shape[0], self.shard_size, self.shard_rank)
-        else:
-            start, stop = 0, (info.shape[0] if info.shape else 0)
+
+    def _deliver(self, name: str, data: torch.Tensor) -> None:
+        """``data`` (this rank's rows of model tensor ``name``, on the host) joins its unit."""
+        expected = self.layout.expected[name]
         device = self.local_device if self._is_sharded(name) else self.context.target_device
-        # Page-locked whenever the ranks compute on a GPU: FSDP's CPU offload pins its host shards too.
-        data = read_rows(fd, info, start, stop, path=path, pin_memory=self.context.target_device.type == "cuda")
         if device.type == "cuda":
             # From page-locked memory the copy runs while the next tensor is read; PyTorch's
             # host allocator keeps the buffer until the copy has finished. Cast on the GPU.
             data = data.to(device, non_blocking=True)
-        self.stats.bytes_read += data.numel() * info.dtype.itemsize
-        self.stats.tensors_read += 1
         unit = self.owner[name]
         unit.pending[name] = data.to(expected.dtype)
         unit.remaining.discard(name)
         self.stats.events.append(("tensor", name))
         if not unit.remaining:
             self._complete(unit)
+
+    # -- conversions -----------------------------------------------------------------------
+    def _read_source(self, fd: int, path: str, key: str, info, target: ConversionTarget) -> None:
+        """One checkpoint tensor feeding a conversion: read where this rank needs it (a row-local
+        target: only the sources of its own rows), and run the chain once every source is in."""
+        name = self._model_key(target.name)
+        if name is not None:
+            expected = self.layout.expected.get(name)
+            if expected is None:
+                raise UnexpectedTensorError(f"converted to {target.name}, which the model does not have", path=path,
+                                            tensor=key)
+            self._check_dtype(expected, info, path, key)
+            pattern, index = target.position(key)
+            rows = self._rows_of(name, target)
+            if rows is None or rows[0] <= index < rows[1]:
+                data = read_rows(fd, info, 0, info.shape[0] if info.shape else 0, path=path)
+                target.collected[pattern][index] = data
+                nbytes = data.numel() * info.dtype.itemsize
+                self.stats.bytes_read += nbytes
+                self.stats.tensors_read += 1
+                if not target.row_local:
+                    self.stats.converted_whole_bytes += nbytes
+        target.remaining -= 1
+        if target.remaining == 0:
+            self._convert(target, name, path)
+
+    def _rows_of(self, name: str, target: ConversionTarget) -> tuple[int, int] | None:
+        """The rows [a, b) of a row-local target this rank reads the sources of; None: all."""
+        if not (target.row_local and self.read_mode == "sliced" and self._is_sharded(name)):
+            return None
+        return shard_rows(target.rows, self.shard_size, self.shard_rank)
+
+    def _convert(self, target: ConversionTarget, name: str | None, path: str) -> None:
+        if name is None:  # another class's head: nothing was read
+            return
+        rows = self._rows_of(name, target)
+        if rows is not None and rows[0] == rows[1]:  # this rank owns none of its rows
+            expected = self.layout.expected[name]
+            outputs = {target.name: torch.empty((0, *expected.shape[1:]), dtype=expected.dtype)}
+        else:
+            outputs = target.run(self.model)
+        self.stats.tensors_converted += len(outputs)
+        for key, data in outputs.items():
+            out = self._model_key(key)
+            expected = self.layout.expected.get(out) if out is not None else None
+            if expected is None:
+                raise UnexpectedTensorError(f"a conversion made {key}, which the model does not have", path=path,
+                                            tensor=key)
+            full = tuple(expected.shape)
+            if rows is not None:  # row-local: the chain made this rank's rows only
+                want = (rows[1] - rows[0], *full[1:])
+            else:
+                want = full
+            if tuple(data.shape) != want:
+                raise ShapeMismatchError(f"converted shape {list(data.shape)} != model shape {list(want)}", path=path,
+                                         tensor=key)
+            if rows is None and self.read_mode == "sliced" and self._is_sharded(out):
+                start, stop = shard_rows(full[0], self.shard_size, self.shard_rank)
+                data = data[start:stop].clone()  # the whole was converted; this rank keeps its rows
+            self._deliver(out, data.contiguous())
 
     # -- sharding --------------------------------------------------------------------------
     def _complete(self, unit: _Unit) -> None:

@@ -85,6 +85,8 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
                 entry["prefix_cache"] = {"queried_tokens": pool.queries, "hit_tokens": pool.hits,
                                          "hit_rate": round(pool.hits / pool.queries, 4) if pool.queries else None}
                 entry["memory"] = scheduler.rank_memory[r]
+                if state.load_bytes_read is not None:
+                    entry["load_bytes_read"] = state.load_bytes_read[r]
                 ranks.append(entry)
             body["ranks"] = ranks
         return body

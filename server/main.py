@@ -208,6 +208,7 @@ def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg
     """Rank 0: what /info and /metrics report of the loaded group."""
     state.metrics.load_seconds.set(loaded.stats.phase_seconds["total"])
     state.metrics.loaded_bytes.set(sum(read for read, _, _ in per_rank))
+    state.load_bytes_read = [read for read, _, _ in per_rank]
     state.residency = dict(residency.as_dict(), extra_bytes_per_rank=[extra for _, extra, _ in per_rank],
                            prefetch_depth=cfg.prefetch_depth,
                            all_gather="shm" if shm_pool is not None else

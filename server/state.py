@@ -36,6 +36,7 @@ class ServerState:
     metrics: object | None = None
     api_key: str | None = None
     residency: dict | None = None  # what --resident-units and --prefetch-depth did, per rank
+    load_bytes_read: list[int] | None = None  # checkpoint bytes each rank read at startup
     sampling_defaults: dict = field(default_factory=dict)  # generation_config.json's, for OpenAI requests
     special_ids: frozenset = frozenset()  # the tokenizer's special tokens (TGI's `special`)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

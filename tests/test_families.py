@@ -147,7 +147,7 @@ def _write(family: str, path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss", "mixtral"])
 def test_server_on_two_ranks_matches_generate(family, tmp_path):
     """The real server, weights sharded over 2 ranks, two requests at once, prompts past the window."""
     import concurrent.futures
@@ -177,7 +177,61 @@ def test_server_on_two_ranks_matches_generate(family, tmp_path):
 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             got = list(pool.map(generate, prompts))
+        reads = [r["load_bytes_read"] for r in server.client.get("/info").json()["ranks"]]
     assert got == expected
+    checkpoint = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    assert all(0 < read < 0.6 * checkpoint for read in reads), (reads, checkpoint)  # each rank its share
+
+
+def _load_and_compare(rank, world_size, path):
+    from transformers import AutoModelForCausalLM
+
+    from loaders import load_hsdp_model
+    from shard_engine import HSDPInferenceConfig
+
+    loaded = load_hsdp_model(path, HSDPInferenceConfig(), dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 9, 2, 7, 1, 3, 11, 4]]) + rank
+    with torch.no_grad():
+        exact = torch.equal(loaded.model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    stats = loaded.stats
+    return {"exact": exact, "bytes_read": stats.bytes_read, "checkpoint_bytes": stats.checkpoint_bytes,
+            "converted": stats.tensors_converted, "whole": stats.converted_whole_bytes}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
+def test_moe_checkpoint_in_hub_layout_loads_with_a_share_of_the_bytes(family, tmp_path):
+    """save_pretrained writes one tensor per expert (the Hub's layout); the model fuses them. Each
+    of 2 ranks reads only its experts' tensors: about half the checkpoint, and the same logits."""
+    import transformers as T
+    from transformers import AutoModelForCausalLM
+
+    from tests.dist import run_ranks, values
+
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512)
+    config = {"mixtral": lambda: T.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2),
+              "qwen3_moe": lambda: T.Qwen3MoeConfig(**common, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                                    moe_intermediate_size=32),
+              "olmoe": lambda: T.OlmoeConfig(**common, num_experts=8, num_experts_per_tok=2),
+              "qwen2_moe": lambda: T.Qwen2MoeConfig(**common, num_experts=8, num_experts_per_tok=2,
+                                                    moe_intermediate_size=32, shared_expert_intermediate_size=32),
+              }[family]()
+    torch.manual_seed(0)
+    path = str(tmp_path / family)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path, max_shard_size="100KB")
+    from safetensors import safe_open
+
+    keys = set()
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), "pt") as f:
+                keys |= set(f.keys())
+    assert any(".experts.0." in k for k in keys)  # per-expert tensors, not the model's fused ones
+    results = values(run_ranks(_load_and_compare, 2, tmp_path, path, timeout=240))
+    for r in results:
+        assert r["exact"] and r["converted"] > 0 and r["whole"] == 0
+        assert abs(r["bytes_read"] / r["checkpoint_bytes"] - 0.5) < 0.02, r
 
 
 def test_refused_before_anything_is_read(tmp_path):
