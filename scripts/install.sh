@@ -27,7 +27,16 @@ sys.exit(not (tuple(map(int, '$TORCH_MIN'.split('.'))) <= v < tuple(map(int, '$T
         "$PYTHON" -m pip install "torch==$TORCH_CPU_PIN"
     fi
 fi
+TEST_EXTRAS=0
 if [ "$#" -eq 0 ]; then
     set -- -e ".[test]"
+    TEST_EXTRAS=1
 fi
 "$PYTHON" -m pip install "$@"
+if [ "$TEST_EXTRAS" -eq 1 ]; then
+    # TGI's official Python client, for tests/test_request_surface.py. Without its dependencies:
+    # it pins huggingface-hub<1.0, which predates the hub 1.x transformers 5 needs, and uses the
+    # hub only for its InferenceAPIClient, which the tests do not; requests and aiohttp come
+    # with the test extras.
+    "$PYTHON" -m pip install --no-deps "text-generation==0.7.0"
+fi

@@ -1,5 +1,5 @@
 """Rank 0's HTTP app: probes, info and metrics here; the generate routes in ``tgi_api`` and
-``openai_api``. Errors leave through ``server.errors``, in each API's style.
+``openai_api``, tokenization in ``tokenize_api``. Errors leave through ``server.errors``, in each API's style.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from server.guard import GuardMiddleware
 from server.openai_api import build_openai_router
 from server.state import ServerState
 from server.tgi_api import build_tgi_router
+from server.tokenize_api import build_tokenize_router
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 
@@ -24,6 +25,7 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
     app.add_middleware(GuardMiddleware, metrics=state.metrics, api_key=state.api_key, max_body_bytes=max_body_bytes)
     app.include_router(build_tgi_router(state))
     app.include_router(build_openai_router(state))
+    app.include_router(build_tokenize_router(state))
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -32,9 +32,14 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 
-def _sampling(req, defaults: dict, max_new_tokens: int, top_logprobs: int) -> SamplingParams:
+def _sampling(req, defaults: dict, max_new_tokens: int, top_logprobs: int, vocab: int) -> SamplingParams:
     """The request's sampling settings; those it leaves unset come from ``defaults`` (the
-    checkpoint's generation config), then OpenAI's (temperature 1, nothing else)."""
+    checkpoint's generation config), then OpenAI's (temperature 1, nothing else). Token ids
+    (``logit_bias``, ``stop_token_ids``) must lie in the vocabulary of ``vocab`` tokens."""
+    for name, ids in (("logit_bias", [int(k) for k in req.logit_bias or {}]), ("stop_token_ids", req.stop_token_ids)):
+        if bad := [t for t in ids or () if t >= vocab]:
+            raise InputValidationError(f"{name}: token id {bad[0]} is outside the vocabulary ({vocab} tokens)",
+                                      param=name)
 
     def setting(name: str):
         value = getattr(req, name)
@@ -55,6 +60,11 @@ def _sampling(req, defaults: dict, max_new_tokens: int, top_logprobs: int) -> Sa
         repetition_penalty=None if penalty is None or penalty == 1.0 else penalty,
         seed=req.seed,
         top_logprobs=top_logprobs,
+        presence_penalty=req.presence_penalty or None,
+        frequency_penalty=req.frequency_penalty or None,
+        logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
     )
 
 
@@ -109,12 +119,13 @@ def _usage(stream: RequestStream) -> dict:
                  total_tokens=prompt + stream.num_tokens).model_dump()
 
 
-def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
+    """The chat request's messages rendered with the tokenizer's chat template (or the fallback), as ids."""
     tok = state.tokenizer
     try:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         text = tok.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False,
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False,
             chat_template=None if getattr(tok, "chat_template", None) else FALLBACK_CHAT_TEMPLATE,
         )
     except ValueError as e:
@@ -163,7 +174,7 @@ def build_openai_router(state: ServerState) -> APIRouter:
         check_model(state, req.model)
         prompt_ids = state.tokenizer(req.prompt).input_ids
         max_new = check_admission(state, prompt_ids, req.max_tokens or 16)
-        params = _sampling(req, state.sampling_defaults, max_new, req.logprobs or 0)
+        params = _sampling(req, state.sampling_defaults, max_new, req.logprobs or 0, len(state.tokenizer))
         stream = RequestStream(state, prompt_ids, params, req.stop_list)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -193,10 +204,10 @@ def build_openai_router(state: ServerState) -> APIRouter:
     @router.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_model(state, req.model)
-        prompt_ids = _chat_prompt(state, req)
+        prompt_ids = chat_prompt_ids(state, req)
         top = (req.top_logprobs or 0) if req.logprobs else 0
         max_new = check_admission(state, prompt_ids, req.max_completion_tokens or req.max_tokens)
-        params = _sampling(req, state.sampling_defaults, max_new, top)
+        params = _sampling(req, state.sampling_defaults, max_new, top, len(state.tokenizer))
         stream = RequestStream(state, prompt_ids, params, req.stop_list)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

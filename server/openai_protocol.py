@@ -32,9 +32,54 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, ge=-1, description="-1 or 0: off")
     min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(default=None, ge=0.0, le=0.0, description="not supported")
-    presence_penalty: float | None = Field(default=None, ge=0.0, le=0.0, description="not supported")
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id -> bias in [-100, 100]")
+    # vLLM's: more tokens that end a sequence, and going on past the end-of-sequence token
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
+    ignore_eos: bool = False
     user: str | None = None
+    # Declared so that asking for them is an error, not silently ignored: not served yet
+    response_format: dict | None = None
+    guided_json: object | None = None
+    guided_regex: str | None = None
+    guided_choice: list | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _plain_text_only(cls, value):
+        if value is not None and value.get("type", "text") != "text":
+            raise ValueError(f"response_format {value.get('type')!r} (structured output) is not served yet; only "
+                             "'text'")
+        return value
+
+    @field_validator("guided_json", "guided_regex", "guided_choice")
+    @classmethod
+    def _no_guided_decoding(cls, value):
+        if value is not None:
+            raise ValueError("guided decoding (structured output) is not served yet")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value):
+        if not value:
+            return value
+        if len(value) > 300:
+            raise ValueError("logit_bias holds at most 300 tokens")
+        for key, bias in value.items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values lie in [-100, 100], got {bias} for token {key}")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, value):
+        if value and any(t < 0 for t in value):
+            raise ValueError("stop_token_ids are token ids (>= 0)")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -89,6 +134,25 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Declared so that asking for them is an error, not silently ignored: tool calling is not served yet
+    tools: list | None = None
+    tool_choice: object | None = None
+    functions: list | None = None
+    function_call: object | None = None
+
+    @field_validator("tools", "functions", "function_call")
+    @classmethod
+    def _no_tools(cls, value):
+        if value:
+            raise ValueError("tool calling is not served yet")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value):
+        if value not in (None, "none"):
+            raise ValueError("tool calling is not served yet (tool_choice other than 'none')")
+        return value
 
 
 class Usage(BaseModel):

@@ -10,25 +10,83 @@ FinishReason = Literal["length", "eos_token", "stop_sequence"]
 MAX_STOP_SEQUENCES = 16
 
 
+MAX_TOP_N_TOKENS = 5
+
+
 class GenerateParameters(BaseModel):
+    """Every parameter TGI documents. Clients send all of them, unset ones as null or false (TGI's
+    own ``text-generation`` client does), so null means unset throughout; a value this server
+    cannot honour is a 422 that says so."""
+
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens: int = Field(default=20, ge=1)
+    max_new_tokens: int | None = Field(default=20, ge=1)
     do_sample: bool = False
     temperature: float | None = Field(default=None, gt=0.0, le=100.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, gt=0)
     top_p: float | None = Field(default=None, gt=0.0, lt=1.0, allow_inf_nan=False)
+    typical_p: float | None = Field(default=None, gt=0.0, lt=1.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False,
+                                            description="OpenAI's formula, over the generated tokens")
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
-    return_full_text: bool = False
+    stop: list[str] | None = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
+    return_full_text: bool | None = False
     details: bool = False
+    decoder_input_details: bool = False
+    top_n_tokens: int | None = Field(default=None, ge=0, le=MAX_TOP_N_TOKENS)
+    truncate: int | None = Field(default=None, ge=1, description="keep only the last N tokens of the input")
+    best_of: int | None = Field(default=None, ge=1)
+    watermark: bool = False
+    grammar: dict | None = None
+    adapter_id: str | None = None
 
     @field_validator("stop")
     @classmethod
-    def _stop_not_empty(cls, value: list[str]) -> list[str]:
+    def _stop_not_empty(cls, value: list[str] | None) -> list[str]:
+        value = value or []
         if any(not s for s in value):
             raise ValueError("stop sequences must be non-empty strings")
+        return value
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _default_max_new_tokens(cls, value: int | None) -> int:
+        return 20 if value is None else value
+
+    @field_validator("watermark")
+    @classmethod
+    def _no_watermark(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("watermarking is not implemented by this server")
+        return value
+
+    @field_validator("grammar")
+    @classmethod
+    def _no_grammar(cls, value: dict | None) -> dict | None:
+        if value is not None:
+            raise ValueError("grammar-constrained generation is not implemented by this server yet")
+        return value
+
+    @field_validator("adapter_id")
+    @classmethod
+    def _no_adapter(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError("adapters (LoRA) are not served: one model without adapters is loaded")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, value: int | None) -> int | None:
+        if value is not None and value > 1:
+            raise ValueError("best_of > 1 is not implemented by this server")
+        return value
+
+    @field_validator("decoder_input_details")
+    @classmethod
+    def _no_prefill_details(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("decoder_input_details (the prompt's log-probabilities) is not computed by this server")
         return value
 
 
@@ -53,6 +111,8 @@ class Details(BaseModel):
     seed: int | None = None
     prefill: list[Token] = Field(default_factory=list)
     tokens: list[Token] = Field(default_factory=list)
+    top_tokens: list[list[Token]] | None = None
+    """With ``top_n_tokens``: the most likely tokens at each step."""
 
 
 class GenerateResponse(BaseModel):
@@ -69,8 +129,49 @@ class StreamDetails(BaseModel):
 class StreamResponse(BaseModel):
     index: int
     token: Token
+    top_tokens: list[Token] | None = None
     generated_text: str | None = None
     details: StreamDetails | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` as TGI takes it (``inputs``) or as vLLM does (``prompt``, or ``messages``
+    with the chat template)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: str | None = None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    model: str | None = None
+
+
+class TokenSpan(BaseModel):
+    """TGI's ``/tokenize`` answer, one per token: its id, its text and where it lies in the input."""
+
+    id: int
+    text: str
+    start: int
+    stop: int
+
+
+class VLLMTokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorResponse(BaseModel):

@@ -29,14 +29,23 @@ def _token(event: TokenEvent) -> Token:
     return Token(id=event.id, text=event.token_text, logprob=event.logprob, special=event.special)
 
 
+def _top_tokens(state: ServerState, event: TokenEvent) -> list[Token]:
+    """``top_n_tokens``: the step's most likely tokens, each with its own text."""
+    special = state.special_ids or frozenset()
+    return [Token(id=t, text=state.tokenizer.decode([t]), logprob=lp, special=t in special) for t, lp in event.top]
+
+
 def _start(state: ServerState, body: GenerateRequest) -> tuple[RequestStream, float]:
     start = time.monotonic()
     p = body.parameters
     prompt_ids = state.tokenizer(body.inputs).input_ids
+    if p.truncate is not None:
+        prompt_ids = prompt_ids[-p.truncate:]  # TGI's truncate: the input's last tokens
     check_admission(state, prompt_ids, p.max_new_tokens)
     params = SamplingParams(
         max_new_tokens=p.max_new_tokens, do_sample=p.do_sample, temperature=p.temperature, top_k=p.top_k,
-        top_p=p.top_p, repetition_penalty=p.repetition_penalty, seed=p.seed,
+        top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
+        frequency_penalty=p.frequency_penalty or None, seed=p.seed, top_logprobs=p.top_n_tokens or 0,
     )
     return RequestStream(state, prompt_ids, params, p.stop), time.monotonic() - start
 
@@ -51,13 +60,16 @@ def build_tgi_router(state: ServerState) -> APIRouter:
     async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
         stream, validation_s = _start(state, body)
         tokens: list[Token] = []
+        top_tokens: list[list[Token]] = []
         for event in await stream.collect(request):
             tokens.append(_token(event))
+            top_tokens.append(_top_tokens(state, event))
             if event.finish is not None:
                 details = None
                 if body.parameters.details:
                     details = Details(finish_reason=event.finish, generated_tokens=stream.num_tokens,
-                                      seed=stream.seed, tokens=tokens)
+                                      seed=stream.seed, tokens=tokens,
+                                      top_tokens=top_tokens if body.parameters.top_n_tokens else None)
                 response = GenerateResponse(generated_text=_full_text(body, stream.text), details=details)
                 return JSONResponse(response.model_dump(), headers=stream.timing_headers(validation_s))
         raise GenerationError("generation ended without a result")
@@ -76,7 +88,9 @@ def build_tgi_router(state: ServerState) -> APIRouter:
                         text = _full_text(body, stream.text)
                         details = StreamDetails(finish_reason=event.finish, generated_tokens=stream.num_tokens,
                                                 seed=stream.seed)
-                    event_out = StreamResponse(index=index, token=_token(event), generated_text=text, details=details)
+                    top = _top_tokens(state, event) if body.parameters.top_n_tokens else None
+                    event_out = StreamResponse(index=index, token=_token(event), top_tokens=top, generated_text=text,
+                                               details=details)
                     yield f"data: {event_out.model_dump_json()}\n\n"
             except GenerationError as e:
                 yield f"data: {json.dumps(error_body(e, '/generate_stream'))}\n\n"
@@ -88,8 +102,13 @@ def build_tgi_router(state: ServerState) -> APIRouter:
 
     @router.post("/")
     async def compat_generate(body: CompatGenerateRequest, request: Request):
-        """TGI's compat route: ``/generate`` or, with ``"stream": true``, ``/generate_stream``."""
+        """TGI's compat route: ``/generate``, answered as a list of one response as TGI answers it
+        (its ``text-generation`` client reads ``[0]``), or with ``"stream": true`` ``/generate_stream``."""
         plain = GenerateRequest(inputs=body.inputs, parameters=body.parameters)
-        return await (generate_stream(plain) if body.stream else generate(plain, request))
+        if body.stream:
+            return await generate_stream(plain)
+        response = await generate(plain, request)
+        return JSONResponse([json.loads(response.body)], headers={
+            k: v for k, v in response.headers.items() if k.lower().startswith("x-")})
 
     return router

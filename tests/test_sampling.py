@@ -14,6 +14,10 @@ PARAMS = [
     SamplingParams(max_new_tokens=1, do_sample=True, temperature=1.3, top_k=40, top_p=0.9, min_p=0.02,
                    repetition_penalty=0.8),
     SamplingParams(max_new_tokens=1, temperature=0.5, top_k=1000),  # top_k over the vocabulary
+    SamplingParams(max_new_tokens=1, do_sample=True, typical_p=0.6),
+    SamplingParams(max_new_tokens=1, do_sample=True, temperature=0.9, top_p=0.95, typical_p=0.9),
+    SamplingParams(max_new_tokens=1, logit_bias={3: 5.0, 17: -100.0, 150: 2.5}),
+    SamplingParams(max_new_tokens=1, do_sample=True, repetition_penalty=1.2, logit_bias={7: -3.0}, typical_p=0.7),
 ]
 
 
@@ -63,3 +67,22 @@ def test_seeded_draws_follow_the_distribution():
         counts[token] += 1
     assert counts[3] == 0 and (counts / 3000 - probs).abs().max() < 0.04
     assert len({token_seed(123, i) for i in range(1000)}) == 1000
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula():
+    """logit[t] - frequency * count[t] - presence * (count[t] > 0), counting generated tokens only,
+    computed here independently, beside a row without penalties that must stay untouched."""
+    vocab = 50
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, vocab, generator=gen)
+    prompt, generated = [1, 2, 2, 9], [4, 4, 4, 9, 11]
+    rows = [Row(SamplingParams(max_new_tokens=1, presence_penalty=0.5, frequency_penalty=0.25), prompt + generated, 5),
+            Row(SamplingParams(max_new_tokens=1, presence_penalty=-1.0), prompt + generated, 5),
+            Row(SamplingParams(max_new_tokens=1), prompt + generated, 5)]
+    ours = BatchSampler._process(logits, rows)
+    for i, (presence, frequency) in enumerate([(0.5, 0.25), (-1.0, 0.0), (0.0, 0.0)]):
+        expected = logits[i].clone()
+        for t in set(generated):
+            expected[t] -= frequency * generated.count(t) + presence
+        torch.testing.assert_close(ours[i], expected)
+    assert ours[0, 2] == logits[0, 2]  # a prompt token is not penalised

@@ -255,3 +255,114 @@ def test_invalid_requests_get_422_and_serving_goes_on(served, endpoint, case, bo
     error = r.json()
     assert error["error_type"] == "validation" and error["error"], error
     assert _generate(server.client, "ok", max_new_tokens=2)["details"]["generated_tokens"] >= 1
+
+
+# -- the rest of the request surface: TGI's official client, every TGI parameter, penalties,
+# logit bias, stop token ids, tokenization --------------------------------------------------------
+
+def test_tgi_official_client_works_unmodified(served, reference):
+    """text-generation 0.7 sends every TGI parameter, unset ones as null or false, to ``/``, and
+    reads a list back; streaming too."""
+    from text_generation import Client
+    from text_generation.errors import ValidationError
+
+    server, _, _ = served
+    client = Client(server.url, timeout=60)
+    prompt = PROMPTS[1]
+    expected = reference(prompt, 12)
+    response = client.generate(prompt, max_new_tokens=12)
+    assert [t.id for t in response.details.tokens] == expected
+    assert response.generated_text == tokenizer().decode(expected, skip_special_tokens=True)
+    streamed = list(client.generate_stream(prompt, max_new_tokens=12))
+    assert [r.token.id for r in streamed] == expected
+    assert streamed[-1].generated_text == response.generated_text
+    # top_n_tokens: the greedy choice leads each step's list
+    response = client.generate(prompt, max_new_tokens=6, top_n_tokens=3)
+    assert len(response.details.top_tokens) == len(response.details.tokens)
+    for chosen, top in zip(response.details.tokens, response.details.top_tokens):
+        assert len(top) == 3 and top[0].id == chosen.id and top[0].logprob >= top[1].logprob >= top[2].logprob
+    # truncate keeps the input's last tokens
+    ids = tokenizer()(prompt).input_ids
+    truncated = client.generate(prompt, max_new_tokens=8, truncate=4)
+    assert [t.id for t in truncated.details.tokens] == reference(tokenizer().decode(ids[-4:]), 8)
+    # sampling with typical_p and a frequency penalty, seeded: replays
+    a = client.generate(prompt, max_new_tokens=8, do_sample=True, typical_p=0.8, frequency_penalty=0.5, seed=7)
+    b = client.generate(prompt, max_new_tokens=8, do_sample=True, typical_p=0.8, frequency_penalty=0.5, seed=7)
+    assert [t.id for t in a.details.tokens] == [t.id for t in b.details.tokens]
+    # what cannot be honoured is a 422 that says so
+    with pytest.raises(ValidationError, match="watermark"):
+        client.generate(prompt, max_new_tokens=4, watermark=True)
+
+
+def test_tgi_parameters_null_means_unset(served, reference):
+    server, _, _ = served
+    nulls = {name: None for name in ("temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+                                     "frequency_penalty", "seed", "top_n_tokens", "truncate", "best_of", "grammar",
+                                     "adapter_id", "stop", "return_full_text")}
+    out = _generate(server.client, PROMPTS[0], max_new_tokens=8, details=True, watermark=False,
+                    decoder_input_details=False, **nulls)
+    assert _ids(out) == reference(PROMPTS[0], 8)
+    for field, value, words in [("best_of", 2, "best_of"), ("grammar", {"type": "json", "value": {}}, "grammar"),
+                                ("adapter_id", "lora", "adapters"), ("decoder_input_details", True, "prompt's")]:
+        r = server.client.post("/generate", json={"inputs": PROMPTS[0], "parameters": {field: value}})
+        assert r.status_code == 422 and words in r.json()["error"], (field, r.text)
+
+
+def test_openai_penalties_logit_bias_and_stop_token_ids(served, reference):
+    server, _, _ = served
+    prompt = PROMPTS[4]
+    expected = reference(prompt, 8)
+
+    def complete(**fields):
+        r = server.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                        **fields})
+        return r
+
+    # a bias of +100 makes one token the greedy choice at every step
+    favoured = 42
+    r = complete(logit_bias={str(favoured): 100}, logprobs=0)
+    assert r.status_code == 200, r.text
+    assert tokenizer()(r.json()["choices"][0]["text"], add_special_tokens=False).input_ids[:1] == [favoured]
+    # the first greedy token as a stop token id: one token, finish_reason stop
+    r = complete(stop_token_ids=[expected[0]])
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+    assert r.json()["usage"]["completion_tokens"] == 1
+    # penalties are accepted in OpenAI's range (their formula is tested in tests/test_sampling.py)
+    assert complete(presence_penalty=1.5, frequency_penalty=-0.5).status_code == 200
+    for fields, param in [({"presence_penalty": 2.5}, "presence_penalty"),
+                          ({"logit_bias": {"999999": 5}}, "logit_bias"),
+                          ({"logit_bias": {"x": 5}}, "logit_bias"), ({"stop_token_ids": [999999]}, "stop_token_ids")]:
+        r = complete(**fields)
+        assert r.status_code == 400 and param in json.dumps(r.json()), (fields, r.text)
+
+
+def test_tokenize_and_detokenize_in_tgi_and_vllm_shapes(served):
+    server, _, _ = served
+    text = PROMPTS[1]
+    ids = tokenizer()(text).input_ids
+    spans = server.client.post("/tokenize", json={"inputs": text}).json()
+    assert [s["id"] for s in spans] == ids
+    assert "".join(s["text"] for s in spans) == text[spans[0]["start"]:spans[-1]["stop"]]
+    assert all(text[s["start"]:s["stop"]] == s["text"] for s in spans)
+    vllm = server.client.post("/tokenize", json={"prompt": text}).json()
+    assert vllm["tokens"] == ids and vllm["count"] == len(ids) and vllm["max_model_len"] == 256
+    chat = server.client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] == len(chat["tokens"]) > 1
+    back = server.client.post("/detokenize", json={"tokens": ids}).json()
+    assert back["prompt"] == text
+    assert server.client.post("/tokenize", json={"inputs": text, "prompt": text}).status_code == 422
+    assert server.client.post("/detokenize", json={"tokens": [10**9]}).status_code == 422
+
+
+def test_structured_output_and_tools_are_refused_not_ignored(served):
+    """Not served yet: a request that asks for them gets 400 naming them, not free text."""
+    server, _, _ = served
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for extra, words in [({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool calling"),
+                         ({"tool_choice": "required"}, "tool_choice"), ({"guided_regex": "a+"}, "guided")]:
+        r = server.client.post("/v1/chat/completions", json={**chat, **extra})
+        assert r.status_code == 400 and words in json.dumps(r.json()), (extra, r.text)
+    ok = server.client.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"},
+                                                          "tool_choice": "none"})
+    assert ok.status_code == 200, ok.text

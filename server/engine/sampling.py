@@ -31,6 +31,18 @@ class SamplingParams:
     seed: int | None = None
     top_logprobs: int = 0
     """Also return the log-probabilities of this many most likely tokens at each step."""
+    presence_penalty: float | None = None
+    """OpenAI's: subtracted once from the logit of every token generated so far."""
+    frequency_penalty: float | None = None
+    """OpenAI's: subtracted from a token's logit once per time it was generated so far."""
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids before anything else samples (OpenAI's ``logit_bias``)."""
+    typical_p: float | None = None
+    """Locally typical sampling's mass (transformers' TypicalLogitsWarper), a warper."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end the sequence as its end-of-sequence token does (vLLM's ``stop_token_ids``)."""
+    ignore_eos: bool = False
+    """Go on past the end-of-sequence token, to ``max_new_tokens`` (vLLM's ``ignore_eos``)."""
 
     @property
     def samples(self) -> bool:
@@ -41,23 +53,29 @@ class SamplingParams:
             or (self.top_k is not None and self.top_k > 0)
             or (self.top_p is not None and self.top_p < 1.0)
             or (self.min_p is not None and self.min_p > 0.0)
+            or (self.typical_p is not None and self.typical_p < 1.0)
         )
 
 
 def build_logits_processors(params: SamplingParams):
-    """transformers' processors for ``params``, in the order ``generate`` applies them."""
+    """transformers' processors for ``params``, in the order ``generate`` applies them (the test
+    reference; OpenAI's presence and frequency penalties, which transformers lacks, are left out)."""
     from transformers import (
         LogitsProcessorList,
         MinPLogitsWarper,
         RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
         TemperatureLogitsWarper,
         TopKLogitsWarper,
         TopPLogitsWarper,
+        TypicalLogitsWarper,
     )
 
     processors = LogitsProcessorList()
     if params.repetition_penalty is not None and params.repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(penalty=params.repetition_penalty))
+    if params.logit_bias:
+        processors.append(SequenceBiasLogitsProcessor({(t,): b for t, b in params.logit_bias.items()}))
     if params.samples:
         if params.temperature is not None and params.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(params.temperature))
@@ -67,6 +85,8 @@ def build_logits_processors(params: SamplingParams):
             processors.append(TopPLogitsWarper(top_p=params.top_p))
         if params.min_p is not None and params.min_p > 0.0:
             processors.append(MinPLogitsWarper(min_p=params.min_p))
+        if params.typical_p is not None and params.typical_p < 1.0:
+            processors.append(TypicalLogitsWarper(mass=params.typical_p))
     return processors
 
 
@@ -153,6 +173,12 @@ class BatchSampler:
             picked = sub.gather(1, ids)
             sub = sub.scatter(1, ids, torch.where(picked < 0, picked * penalty, picked / penalty))
             scores = scores.index_copy(0, index, sub[:, :vocab])
+        scores = _penalize_generated(scores, rows)
+        biased = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items() if t < vocab]
+        if biased:
+            rows_i, cols, bias = zip(*biased)
+            scores = scores.index_put((torch.tensor(rows_i, device=device), torch.tensor(cols, device=device)),
+                                      torch.tensor(bias, dtype=scores.dtype, device=device), accumulate=True)
         warped = [i for i, r in enumerate(rows) if r.params.samples]
         if not warped:
             return scores
@@ -180,4 +206,40 @@ class BatchSampler:
             remove = probs < column(min_p, 0.0)[:, None] * probs.amax(dim=-1, keepdim=True)
             remove.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
             sub = sub.masked_fill(remove, inf)
+        typical = [p.typical_p if p.typical_p is not None and p.typical_p < 1.0 else None for p in params]
+        if any(t is not None for t in typical):
+            # transformers' TypicalLogitsWarper, per row (a row without it keeps everything)
+            log_probs = torch.log_softmax(sub, dim=-1)
+            entropy = -(log_probs * log_probs.exp()).nansum(-1, keepdim=True)
+            shifted = (-log_probs - entropy).abs()
+            sorted_shift, sorted_index = torch.sort(shifted, descending=False)
+            cumulative = sub.gather(-1, sorted_index).softmax(dim=-1).cumsum(dim=-1)
+            last = (cumulative < column(typical, 2.0)[:, None]).sum(dim=1).clamp_(max=vocab - 1)
+            remove = sorted_shift > sorted_shift.gather(1, last.view(-1, 1))
+            remove[:, :1] = False
+            sub = sub.masked_fill(remove.scatter(1, sorted_index, remove), inf)
         return scores.index_copy(0, index, sub)
+
+
+def _penalize_generated(scores: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties over each row's generated tokens (not its prompt):
+    logit[t] -= frequency * count[t] + presence * (count[t] > 0)."""
+    penalised = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty]
+    if not penalised:
+        return scores
+    vocab, device = scores.shape[1], scores.device
+    counts = torch.zeros(len(penalised), vocab + 1, dtype=scores.dtype)  # vocab: a column for out-of-range ids
+    for j, i in enumerate(penalised):
+        row = rows[i]
+        generated = row.tokens[len(row.tokens) - row.num_generated:] if row.num_generated else []
+        if generated:
+            ids = torch.tensor(generated).clamp_(max=vocab)
+            counts[j].index_add_(0, ids, torch.ones(len(generated), dtype=scores.dtype))
+    counts = counts[:, :vocab].to(device)
+    frequency = torch.tensor([rows[i].params.frequency_penalty or 0.0 for i in penalised], dtype=scores.dtype,
+                             device=device)[:, None]
+    presence = torch.tensor([rows[i].params.presence_penalty or 0.0 for i in penalised], dtype=scores.dtype,
+                            device=device)[:, None]
+    index = torch.tensor(penalised, device=device)
+    sub = scores.index_select(0, index) - frequency * counts - presence * (counts > 0).to(scores.dtype)
+    return scores.index_copy(0, index, sub)

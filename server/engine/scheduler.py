@@ -405,7 +405,8 @@ class Scheduler:
         handle.last_token_at = now
         handle.tokens.append(token_id)
         reason = None
-        if token_id in self.eos_token_ids:
+        params = handle.params
+        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
             reason = "eos_token"
         elif handle.num_generated >= handle.params.max_new_tokens or len(handle.tokens) >= self.max_total_tokens:
             reason = "length"
