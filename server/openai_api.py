@@ -10,10 +10,12 @@ values first. A request's ``model`` must be a served name (or absent): else 404
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -113,10 +115,84 @@ def _finish_reason(event: TokenEvent) -> str:
     return "length" if event.finish == "length" else "stop"
 
 
-def _usage(stream: RequestStream) -> dict:
-    prompt = len(stream.handle.prompt_ids)
-    return Usage(prompt_tokens=prompt, completion_tokens=stream.num_tokens,
-                 total_tokens=prompt + stream.num_tokens).model_dump()
+def _usage(streams: list[RequestStream], n: int) -> dict:
+    """Prompt tokens once per prompt (its ``n`` choices share it), completion tokens of every choice."""
+    prompt = sum(len(s.handle.prompt_ids) for s in streams[::n])
+    completion = sum(s.num_tokens for s in streams)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion).model_dump()
+
+
+def _open_streams(state: ServerState, prompts: list[list[int]], params: SamplingParams, req) -> list[RequestStream]:
+    """``req.n`` streams per prompt, choice ``i * n + j``; a seeded request's choice j samples with
+    seed + j, so its choices differ and each replays. All or none are submitted."""
+    streams: list[RequestStream] = []
+    try:
+        for ids in prompts:
+            for j in range(req.n):
+                choice_params = params if j == 0 or params.seed is None else replace(params, seed=params.seed + j)
+                streams.append(RequestStream(state, ids, choice_params, req.stop_list))
+    except BaseException:
+        for stream in streams:
+            state.scheduler.cancel(stream.handle)
+        raise
+    return streams
+
+
+async def _collect_all(streams: list[RequestStream], request: Request) -> list[list[TokenEvent]]:
+    """Every choice's events; a client that disconnects first cancels them all."""
+    collected: list[list[TokenEvent]] = [[] for _ in streams]
+
+    async def consume(i: int) -> None:
+        async for event in streams[i].events():
+            collected[i].append(event)
+
+    async def watch_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    consumers = [asyncio.ensure_future(consume(i)) for i in range(len(streams))]
+    watcher = asyncio.ensure_future(watch_disconnect())
+    try:
+        done = asyncio.ensure_future(asyncio.gather(*consumers))
+        await asyncio.wait({done, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            raise asyncio.CancelledError("client disconnected")
+        done.result()  # re-raise a generation error
+    finally:
+        watcher.cancel()
+        for consumer in consumers:
+            if not consumer.done():
+                consumer.cancel()  # its events() finally cancels the sequence
+    return collected
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """(choice index, event) of every stream as they come; stopping early cancels the rest."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int) -> None:
+        try:
+            async for event in streams[i].events():
+                await queue.put((i, event))
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            await queue.put((i, e))
+        await queue.put((i, end))
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
@@ -140,30 +216,31 @@ def build_openai_router(state: ServerState) -> APIRouter:
     def frame(payload: dict) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
-    async def stream_chunks(stream: RequestStream, req, make_chunk, path: str) -> AsyncIterator[str]:
-        deltas = _TextDeltas(req.stop_list)
+    async def stream_chunks(streams: list[RequestStream], req, make_chunk, path: str) -> AsyncIterator[str]:
+        deltas = [_TextDeltas(req.stop_list) for _ in streams]
         try:
-            async for event in stream.events():
+            async for i, event in _merged(streams):
                 finish = _finish_reason(event) if event.finish is not None else None
-                text = deltas.next(event)
+                text = deltas[i].next(event)
                 if text or finish:
-                    yield frame(make_chunk(text, event, finish))
+                    yield frame(make_chunk(i, text, event, finish))
             if req.stream_options is not None and req.stream_options.include_usage:
-                yield frame({**make_chunk(None, None, None), "choices": [], "usage": _usage(stream)})
+                yield frame({**make_chunk(0, None, None, None), "choices": [], "usage": _usage(streams, req.n)})
         except GenerationError as e:
             yield frame(error_body(e, path))
         yield "data: [DONE]\n\n"
 
-    async def respond(stream: RequestStream, req, request: Request, rid: str, now: int, obj: str,
+    async def respond(streams: list[RequestStream], req, request: Request, rid: str, now: int, obj: str,
                       chunk, make_choice):
-        """The stream of chunks, or the whole response with ``make_choice(text, events)`` as its choice."""
+        """The stream of chunks, or the whole response with ``make_choice(i, text, events)`` per choice."""
         path = request.url.path
         if req.stream:
-            return StreamingResponse(stream_chunks(stream, req, chunk, path), media_type="text/event-stream")
-        events = await stream.collect(request)
-        text = _cut_at_stop(stream.text, req.stop_list)
+            return StreamingResponse(stream_chunks(streams, req, chunk, path), media_type="text/event-stream")
+        events = await _collect_all(streams, request)
+        choices = [make_choice(i, _cut_at_stop(stream.text, req.stop_list), events[i])
+                   for i, stream in enumerate(streams)]
         return {"id": rid, "object": obj, "created": now, "model": state.model_name,
-                "choices": [make_choice(text, events)], "usage": _usage(stream)}
+                "choices": choices, "usage": _usage(streams, req.n)}
 
     @router.get("/models")
     async def models() -> ModelList:
@@ -172,10 +249,20 @@ def build_openai_router(state: ServerState) -> APIRouter:
     @router.post("/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(state, req.model)
-        prompt_ids = state.tokenizer(req.prompt).input_ids
-        max_new = check_admission(state, prompt_ids, req.max_tokens or 16)
-        params = _sampling(req, state.sampling_defaults, max_new, req.logprobs or 0, len(state.tokenizer))
-        stream = RequestStream(state, prompt_ids, params, req.stop_list)
+        vocab = len(state.tokenizer)
+        prompts = []
+        for prompt in req.prompts:
+            if isinstance(prompt, str):
+                prompts.append(state.tokenizer(prompt).input_ids)
+            elif bad := [t for t in prompt if t >= vocab]:
+                raise InputValidationError(f"prompt: token id {bad[0]} is outside the vocabulary ({vocab} tokens)",
+                                           param="prompt")
+            else:
+                prompts.append(list(prompt))
+        max_new = min(check_admission(state, ids, req.max_tokens or 16) for ids in prompts)
+        params = _sampling(req, state.sampling_defaults, max_new, req.logprobs or 0, vocab)
+        streams = _open_streams(state, prompts, params, req)
+        texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in req.prompts]
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs_of(events: list[TokenEvent]) -> dict | None:
@@ -189,17 +276,17 @@ def build_openai_router(state: ServerState) -> APIRouter:
                 "text_offset": [],
             }
 
-        def chunk(text, event, finish) -> dict:
-            choice = {"index": 0, "text": text, "finish_reason": finish,
+        def chunk(i, text, event, finish) -> dict:
+            choice = {"index": i, "text": text, "finish_reason": finish,
                       "logprobs": logprobs_of([event]) if event is not None else None}
             return {"id": rid, "object": "text_completion", "created": now, "model": state.model_name,
                     "choices": [choice]}
 
-        def choice(text, events) -> dict:
-            return {"index": 0, "text": (req.prompt + text) if req.echo else text,
+        def choice(i, text, events) -> dict:
+            return {"index": i, "text": (texts[i // req.n] + text) if req.echo else text,
                     "finish_reason": _finish_reason(events[-1]), "logprobs": logprobs_of(events)}
 
-        return await respond(stream, req, request, rid, now, "text_completion", chunk, choice)
+        return await respond(streams, req, request, rid, now, "text_completion", chunk, choice)
 
     @router.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -208,7 +295,7 @@ def build_openai_router(state: ServerState) -> APIRouter:
         top = (req.top_logprobs or 0) if req.logprobs else 0
         max_new = check_admission(state, prompt_ids, req.max_completion_tokens or req.max_tokens)
         params = _sampling(req, state.sampling_defaults, max_new, top, len(state.tokenizer))
-        stream = RequestStream(state, prompt_ids, params, req.stop_list)
+        streams = _open_streams(state, [prompt_ids], params, req)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs_of(events: list[TokenEvent]) -> dict | None:
@@ -222,24 +309,24 @@ def build_openai_router(state: ServerState) -> APIRouter:
                 for e in events
             ]}
 
-        first = [True]
+        first = [True] * len(streams)
 
-        def chunk(text, event, finish) -> dict:
+        def chunk(i, text, event, finish) -> dict:
             delta = {}
-            if first[0] and event is not None:
+            if first[i] and event is not None:
                 delta["role"] = "assistant"
-                first[0] = False
+                first[i] = False
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish,
+            choice = {"index": i, "delta": delta, "finish_reason": finish,
                       "logprobs": logprobs_of([event]) if event is not None else None}
             return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": state.model_name,
                     "choices": [choice]}
 
-        def choice(text, events) -> dict:
-            return {"index": 0, "message": {"role": "assistant", "content": text},
+        def choice(i, text, events) -> dict:
+            return {"index": i, "message": {"role": "assistant", "content": text},
                     "finish_reason": _finish_reason(events[-1]), "logprobs": logprobs_of(events)}
 
-        return await respond(stream, req, request, rid, now, "chat.completion", chunk, choice)
+        return await respond(streams, req, request, rid, now, "chat.completion", chunk, choice)
 
     return router

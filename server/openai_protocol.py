@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from server.protocol import MAX_STOP_SEQUENCES
 
 MAX_TOP_LOGPROBS = 5
+MAX_CHOICES = 16
+MAX_PROMPTS = 32
 
 
 class StreamOptions(BaseModel):
@@ -23,7 +25,7 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    n: int = Field(default=1, ge=1, le=1, description="only n=1 is served")
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per prompt")
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stream: bool = False
@@ -97,19 +99,32 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a text, a list of texts, token ids, or a list of token-id lists: one choice (n of them) "
+        "per prompt")
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value):
-        prompts = [value] if isinstance(value, str) else value
-        if len(prompts) != 1:
-            raise ValueError("exactly one prompt is served per request")
-        if not prompts[0]:
+    def _prompts(cls, value):
+        if isinstance(value, str) or (value and all(isinstance(t, int) for t in value)):
+            value = [value]  # one text, or one prompt of token ids
+        if not value:
             raise ValueError("prompt must not be empty")
-        return prompts[0]
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        for prompt in value:
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if not isinstance(prompt, str) and any(t < 0 for t in prompt):
+                raise ValueError("token ids are >= 0")
+        return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text, or token ids (the validator made the field this list)."""
+        return self.prompt
 
 
 class ChatMessage(BaseModel):

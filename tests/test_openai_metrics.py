@@ -117,7 +117,7 @@ def test_openai_stop_sequence_is_not_returned(served, reference, openai_client):
 
 def test_openai_errors_use_the_envelope(served):
     server, _ = served
-    for body in ({"prompt": PROMPT, "n": 2}, {"prompt": PROMPT, "temperature": 5},
+    for body in ({"prompt": PROMPT, "n": 17}, {"prompt": PROMPT, "temperature": 5},
                  {"prompt": ""}, {"messages": []}, {"prompt": PROMPT, "max_tokens": 10**6}):
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         r = server.client.post(path, json=body)

@@ -366,3 +366,47 @@ def test_structured_output_and_tools_are_refused_not_ignored(served):
     ok = server.client.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"},
                                                           "tool_choice": "none"})
     assert ok.status_code == 200, ok.text
+
+
+def test_openai_n_prompt_lists_and_token_id_prompts(served, reference):
+    server, _, _ = served
+    tok = tokenizer()
+    first, second = PROMPTS[0], PROMPTS[5]
+
+    def complete(**fields):
+        r = server.client.post("/v1/completions", json={"max_tokens": 6, "temperature": 0, **fields})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    # two texts and one prompt of token ids, n = 2 each: choice i * n + j answers prompt i
+    out = complete(prompt=[first, second], n=2)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    texts = [c["text"] for c in out["choices"]]
+    assert texts[0] == texts[1] == tok.decode(reference(first, 6), skip_special_tokens=True)
+    assert texts[2] == texts[3] == tok.decode(reference(second, 6), skip_special_tokens=True)
+    assert out["usage"]["prompt_tokens"] == len(tok(first).input_ids) + len(tok(second).input_ids)
+    by_ids = complete(prompt=tok(first).input_ids)
+    assert by_ids["choices"][0]["text"] == texts[0]
+    assert complete(prompt=[tok(first).input_ids, tok(second).input_ids])["choices"][1]["text"] == texts[2]
+    # sampled and seeded: the choices differ from each other and replay
+    sampled = complete(prompt=first, n=3, temperature=1.0, seed=11, max_tokens=8)
+    again = complete(prompt=first, n=3, temperature=1.0, seed=11, max_tokens=8)
+    assert [c["text"] for c in sampled["choices"]] == [c["text"] for c in again["choices"]]
+    assert len({c["text"] for c in sampled["choices"]}) > 1
+    # streamed: every chunk names its choice; each choice's text is the non-streamed one
+    pieces = {0: "", 1: ""}
+    with server.client.stream("POST", "/v1/completions", json={"prompt": [first, second], "max_tokens": 6,
+                                                               "temperature": 0, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    pieces[c["index"]] += c["text"]
+    assert pieces == {0: texts[0], 1: texts[2]}
+    # chat, n = 2
+    chat = server.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": first}],
+                                                           "max_tokens": 5, "temperature": 0, "n": 2}).json()
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    assert chat["choices"][0]["message"] == chat["choices"][1]["message"]
+    # token ids outside the vocabulary are a 400 naming the prompt
+    r = server.client.post("/v1/completions", json={"prompt": [5, 10**6], "max_tokens": 2})
+    assert r.status_code == 400 and "prompt" in json.dumps(r.json())
