@@ -188,6 +188,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
             state.set_phase("warming_up")
             _install_drain_handler(scheduler, state, cfg.shutdown_timeout_s)
             _warm_up(scheduler, state, world_size)
+            _watch_local_ranks(state, scheduler)
         else:
             _ignore_stop_signals()
         watchdog = StepWatchdog(cfg.step_timeout_s, on_timeout=lambda why: _fail_open_requests(state, scheduler, why))
@@ -241,8 +242,44 @@ def _fail_open_requests(state, scheduler, reason: str) -> None:
     time.sleep(_FAILURE_LINGER_S)  # the error responses flush; /health answers 503 meanwhile
 
 
+LIVENESS_POLL_S = 0.2
+
+
+def _dead_local_rank(scheduler) -> str | None:
+    """Why the group is broken, if a rank of this node has exited (its pid, as the rank reported
+    it, is gone), else None. Ranks of a node are numbered from rank 0's up, as torchrun does."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    for rank, stats in enumerate(scheduler.rank_stats[:local]):
+        if stats is None:
+            continue
+        try:
+            os.kill(stats.pid, 0)
+        except ProcessLookupError:
+            return f"rank {rank} (pid {stats.pid}) exited"
+        except PermissionError:
+            pass
+    return None
+
+
+def _watch_local_ranks(state, scheduler) -> None:
+    """Rank 0: /health turns 503 the moment a rank of this node dies, not when the collective that
+    needs it fails or the launcher's SIGTERM comes (seconds later, and a drain looks alive)."""
+    def watch() -> None:
+        while state.phase != "failed":
+            reason = _dead_local_rank(scheduler)
+            if reason is not None:
+                state.set_phase("failed", reason)
+                logger.error("the model group failed: %s", reason)
+                return
+            time.sleep(LIVENESS_POLL_S)
+
+    threading.Thread(target=watch, name="hsdp-liveness", daemon=True).start()
+
+
 def _install_drain_handler(scheduler, state, timeout_s: float) -> None:
     def drain(signum, _frame) -> None:
+        if (reason := _dead_local_rank(scheduler)) is not None:  # the launcher stopping a broken group
+            state.set_phase("failed", reason)
         logger.warning("%s: draining (in-flight requests finish within %g s, new ones get 503)",
                        signal.Signals(signum).name, timeout_s)
         state.set_phase("draining")

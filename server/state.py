@@ -42,8 +42,11 @@ class ServerState:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def set_phase(self, phase: str, failure: str | None = None) -> None:
+        """Move to ``phase``; ``failed`` is final (a drain that follows a failure does not hide it)."""
         assert phase in PHASES, phase
         with self.lock:
+            if self.phase == "failed":
+                return
             self.phase = phase
             if failure is not None:
                 self.failure = failure

@@ -143,6 +143,9 @@ def _provoke(model_dir, tmp_path, extra_args, fault, after_error=lambda ranks: N
 def test_killed_rank_takes_the_group_down(model_dir, tmp_path):
     server, errors, health = _provoke(model_dir, tmp_path, (), lambda r: os.kill(r[1], signal.SIGKILL))
     assert errors and "failed" in errors[0]["error"], server.log_tail()
+    # liveness tells the truth from the moment the rank is gone (polled every 0.1 s; the first
+    # probe may beat the 0.2 s watch), not only once the group has exited
+    assert 503 in health and 200 not in health[3:], health
 
 
 @pytest.mark.parametrize("rank", [0, 1])
