@@ -32,7 +32,6 @@ import logging
 import mmap
 import os
 import shutil
-import uuid
 
 import torch
 import torch.distributed as dist
@@ -105,7 +104,7 @@ def share_resident_units(model: nn.Module, count: int, *, run_id: str | None = N
     The units must be sharded (not resident) when this is called. Collective over the default
     group: every rank calls it in the same place.
     """
-    from shard_engine.shm_all_gather import _probe
+    from shard_engine.shm_all_gather import _probe, job_token
 
     units = fsdp_units(model)
     count = len(units) if count < 0 else min(count, len(units))
@@ -129,7 +128,7 @@ def share_resident_units(model: nn.Module, count: int, *, run_id: str | None = N
             numel = fsdp_param._sharded_param_data.numel() * world
             layout.append((fsdp_param, size, numel, dtype))
             size += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
-    token = [run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex]
+    token = [job_token(run_id)]
     dist.broadcast_object_list(token, src=0)  # one name for the whole run
     directory = path = None
     if reason is None:

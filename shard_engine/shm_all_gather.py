@@ -59,7 +59,8 @@ class SharedMemoryPool:
             self._generation[slot] += 1
             size = math.ceil(nbytes / _ALIGN) * _ALIGN
             path = os.path.join(self.directory, f"slot{slot}-{self._generation[slot]}")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            # the directory is this group's own (created exclusively, 0700): no link to follow
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             try:
                 os.ftruncate(fd, size)  # every rank sets the same size: order does not matter
             finally:
@@ -120,7 +121,7 @@ def enable_shared_memory_all_gather(model: nn.Module, *, slots: int = 5, run_id:
     group = next(iter(groups.values())) if len(groups) == 1 else None
     largest = max((unit_gathered_bytes(u)[0] for u in units), default=0)
     need = min_free_bytes if min_free_bytes is not None else 2 * slots * largest
-    token = [run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex]
+    token = [job_token(run_id)]
     dist.broadcast_object_list(token, src=0)  # one name for the whole run
     directory = None
     if reason is None:
@@ -140,6 +141,14 @@ def enable_shared_memory_all_gather(model: nn.Module, *, slots: int = 5, run_id:
     for unit in units:
         unit.set_custom_all_gather(comm)
     return pool
+
+
+def job_token(run_id: str | None = None) -> str:
+    """This job's part of its /dev/shm names: the run id (the launcher's sweep removes
+    ``hsdp-{run_id}-*``) and a random part, so that two jobs sharing a run id (torchrun's static
+    rendezvous names every run ``none``) never share a file. Rank 0's is broadcast by the callers."""
+    run_id = run_id or os.environ.get("TORCHELASTIC_RUN_ID") or "local"
+    return f"{run_id}-{uuid.uuid4().hex[:12]}"
 
 
 def cleanup_run(run_id: str) -> None:
@@ -164,11 +173,12 @@ def _probe(directory: str, group: dist.ProcessGroup, ranks: list[int], need_byte
     problem = None
     try:
         if me == ranks[0]:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
+            os.mkdir(directory, mode=0o700)  # exclusively: an existing one (or a link) is refused
             stat = os.statvfs(directory)
             if stat.f_bavail * stat.f_frsize < need_bytes:
                 problem = f"{SHM_ROOT} has {stat.f_bavail * stat.f_frsize >> 20} MiB free, {need_bytes >> 20} needed"
-            with open(path, "wb") as f:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 f.write(box[0])
     except OSError as e:
         problem = f"cannot write {path}: {e}"

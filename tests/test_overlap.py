@@ -174,6 +174,38 @@ def test_shared_residency_holds_one_copy_per_host_and_gathers_nothing(tmp_path, 
     assert results[0]["runs"][0]["file"] == results[1]["runs"][0]["file"]  # the same file on both ranks
 
 
+def _two_jobs_one_run_id(rank, world_size, path):
+    """Two jobs named alike (torchrun's static rendezvous calls every run ``none``)."""
+    import os
+    import stat
+
+    from loaders import load_hsdp_model
+    from shard_engine import HSDPInferenceConfig, enable_shared_memory_all_gather
+
+    model = load_hsdp_model(path, HSDPInferenceConfig()).model
+    first = enable_shared_memory_all_gather(model, run_id="none")
+    second = enable_shared_memory_all_gather(model, run_id="none")
+    mode = stat.S_IMODE(os.stat(first.directory).st_mode)
+    out = {"dirs": [first.directory, second.directory], "both_exist": all(map(os.path.isdir, [first.directory,
+                                                                                            second.directory])),
+           "mode": oct(mode)}
+    import torch.distributed as dist
+
+    dist.barrier()
+    first.close()
+    second.close()
+    return out
+
+
+def test_jobs_sharing_a_run_id_never_share_memory(tmp_path, llama):
+    results = values(run_ranks(_two_jobs_one_run_id, 2, tmp_path, llama, timeout=240))
+    for r in results:
+        first, second = r["dirs"]
+        assert first != second and r["both_exist"] and r["mode"] == "0o700"
+        assert first.startswith("/dev/shm/hsdp-none-") and second.startswith("/dev/shm/hsdp-none-")
+    assert results[0]["dirs"] == results[1]["dirs"]  # within a job, every rank agrees on the names
+
+
 def _shm_unavailable(rank, world_size, path):
     from loaders import load_hsdp_model
     from shard_engine import HSDPInferenceConfig, enable_shared_memory_all_gather
@@ -205,7 +237,9 @@ def test_server_reports_residency_and_serves_the_same_tokens(tmp_path, llama):
         server.poll_ready()
         residency = server.client.get("/info").json()["residency"]
         assert residency["units"] == residency["of"] > 0 and residency["prefetch_depth"] == 1
-        assert residency["all_gather"] == "group"
+        # every unit resident: nothing is gathered after startup; with --all-gather group the copies
+        # are private to each rank, not one shared copy for the host
+        assert residency["all_gather"] == "none" and residency["shared_bytes"] == 0
         extra = residency["extra_bytes_per_rank"]
         assert len(extra) == 2 and all(e > 0 for e in extra)
         metrics = server.client.get("/metrics").text
