@@ -54,40 +54,23 @@ class GenerateParameters(BaseModel):
     def _default_max_new_tokens(cls, value: int | None) -> int:
         return 20 if value is None else value
 
-    @field_validator("watermark")
+    @field_validator("watermark", "grammar", "adapter_id", "best_of", "decoder_input_details")
     @classmethod
-    def _no_watermark(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("watermarking is not implemented by this server")
+    def _not_served(cls, value, info):
+        unset = value is None or value is False or (info.field_name == "best_of" and value == 1)
+        if not unset:
+            raise ValueError(NOT_SERVED[info.field_name])
         return value
 
-    @field_validator("grammar")
-    @classmethod
-    def _no_grammar(cls, value: dict | None) -> dict | None:
-        if value is not None:
-            raise ValueError("grammar-constrained generation is not implemented by this server yet")
-        return value
 
-    @field_validator("adapter_id")
-    @classmethod
-    def _no_adapter(cls, value: str | None) -> str | None:
-        if value is not None:
-            raise ValueError("adapters (LoRA) are not served: one model without adapters is loaded")
-        return value
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_one(cls, value: int | None) -> int | None:
-        if value is not None and value > 1:
-            raise ValueError("best_of > 1 is not implemented by this server")
-        return value
-
-    @field_validator("decoder_input_details")
-    @classmethod
-    def _no_prefill_details(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("decoder_input_details (the prompt's log-probabilities) is not computed by this server")
-        return value
+NOT_SERVED = {
+    "watermark": "watermarking is not implemented by this server",
+    "grammar": "grammar-constrained generation is not implemented by this server yet",
+    "adapter_id": "adapters (LoRA) are not served: one model without adapters is loaded",
+    "best_of": "best_of > 1 is not implemented by this server",
+    "decoder_input_details": "decoder_input_details (the prompt's log-probabilities) is not computed by this server",
+}
+"""TGI parameters accepted when unset (null, false, best_of 1) and refused, saying so, when set."""
 
 
 class GenerateRequest(BaseModel):

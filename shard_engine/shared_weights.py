@@ -104,7 +104,7 @@ def share_resident_units(model: nn.Module, count: int, *, run_id: str | None = N
     The units must be sharded (not resident) when this is called. Collective over the default
     group: every rank calls it in the same place.
     """
-    from shard_engine.shm_all_gather import _probe, job_token
+    from shard_engine.shm_all_gather import _probe, agree_on_shared_memory, job_token
 
     units = fsdp_units(model)
     count = len(units) if count < 0 else min(count, len(units))
@@ -149,13 +149,7 @@ def share_resident_units(model: nn.Module, count: int, *, run_id: str | None = N
         verdict = [reason]
         dist.broadcast_object_list(verdict, src=ranks[0], group=group)
         reason = verdict[0]
-    verdicts = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, reason)
-    failed = next((v for v in verdicts if v is not None), None)
-    if failed is not None:
-        if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
-        logger.info("no shared copy of the resident units: %s", failed)
+    if not agree_on_shared_memory(reason, directory, "no shared copy of the resident units"):
         return None
 
     shared = SharedWeights(directory, path, max(size, 1), [], sharers=len(ranks))

@@ -128,13 +128,7 @@ def enable_shared_memory_all_gather(model: nn.Module, *, slots: int = 5, run_id:
         ranks = dist.get_process_group_ranks(group)
         directory = os.path.join(SHM_ROOT, f"hsdp-{token[0]}-g{ranks[0]}")
         reason = _probe(directory, group, ranks, need)
-    verdicts = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, reason)
-    failed = next((v for v in verdicts if v is not None), None)
-    if failed is not None:
-        if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
-        logger.info("all-gathers stay on the process group: %s", failed)
+    if not agree_on_shared_memory(reason, directory, "all-gathers stay on the process group"):
         return None
     pool = SharedMemoryPool(directory, slots)
     comm = SharedMemoryAllGather(pool)
@@ -149,6 +143,21 @@ def job_token(run_id: str | None = None) -> str:
     rendezvous names every run ``none``) never share a file. Rank 0's is broadcast by the callers."""
     run_id = run_id or os.environ.get("TORCHELASTIC_RUN_ID") or "local"
     return f"{run_id}-{uuid.uuid4().hex[:12]}"
+
+
+def agree_on_shared_memory(reason: str | None, directory: str | None, fallback: str) -> bool:
+    """True when no rank of the job has a ``reason`` against sharing memory; else every rank
+    removes ``directory`` (if it got that far), logs ``fallback: the first reason`` and gets False.
+    Collective over the default group."""
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, reason)
+    failed = next((v for v in verdicts if v is not None), None)
+    if failed is None:
+        return True
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+    logger.info("%s: %s", fallback, failed)
+    return False
 
 
 def cleanup_run(run_id: str) -> None:

@@ -7,21 +7,20 @@ from tests.checkpoints import write_checkpoint
 from tests.dist import run_ranks, values
 
 
-def _forwards(rank, world_size, path, settings):
-    """Logits and all-gather counts of two forwards under each (prefetch depth, resident count)."""
+def _loaded_and_counted(rank, path):
+    """The sharded model, transformers' unsharded one, this rank's input and the reference logits,
+    with the process group's all-gathers counted in ``gathers["n"]`` (``original`` restores them)."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from loaders import load_hsdp_model
-    from shard_engine import (HSDPInferenceConfig, disable_forward_prefetch, enable_forward_prefetch, fsdp_units,
-                              set_resident_units)
+    from shard_engine import HSDPInferenceConfig
 
     model = load_hsdp_model(path, HSDPInferenceConfig()).model
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.tensor([[5, 9, 2, 7, 1, 3]]) + rank  # each rank its own input
     with torch.no_grad():
         expected = reference(input_ids=ids).logits
-
     gathers = {"n": 0}
     original = dist.all_gather_single
 
@@ -30,6 +29,15 @@ def _forwards(rank, world_size, path, settings):
         return original(*args, **kwargs)
 
     dist.all_gather_single = counting
+    return model, reference, ids, expected, gathers, original
+
+
+def _forwards(rank, world_size, path, settings):
+    """Logits and all-gather counts of two forwards under each (prefetch depth, resident count)."""
+    import torch.distributed as dist
+    from shard_engine import disable_forward_prefetch, enable_forward_prefetch, fsdp_units, set_resident_units
+
+    model, reference, ids, expected, gathers, original = _loaded_and_counted(rank, path)
     out = {"units": len(fsdp_units(model)), "runs": []}
     pool = None
     for depth, resident, shm in settings:
@@ -104,24 +112,10 @@ def _shared_residency(rank, world_size, path):
     import os
 
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
-    from loaders import load_hsdp_model
-    from shard_engine import HSDPInferenceConfig, fsdp_units, set_resident_units, shared_weights_of
+    from shard_engine import fsdp_units, set_resident_units, shared_weights_of
 
-    model = load_hsdp_model(path, HSDPInferenceConfig()).model
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor([[5, 9, 2, 7, 1, 3]]) + rank
-    with torch.no_grad():
-        expected = reference(input_ids=ids).logits
-    gathers = {"n": 0}
-    original = dist.all_gather_single
-
-    def counting(*args, **kwargs):
-        gathers["n"] += 1
-        return original(*args, **kwargs)
-
-    dist.all_gather_single = counting
+    model, reference, ids, expected, gathers, original = _loaded_and_counted(rank, path)
     out = {"units": len(fsdp_units(model)), "runs": [],
            "whole_bytes": sum(p.numel() * p.element_size() for p in reference.parameters())}
     for count, shared in [(-1, True), (0, False), (2, True), (-1, False), (-1, True), (0, False)]:
