@@ -168,6 +168,10 @@ class _StreamingLoad:
             key = key[len(self.strip):]
         return self.add + key
 
+    def _ignored(self, name: str) -> bool:
+        """A tensor the model does not have, that from_pretrained skips (its unexpected-key patterns)."""
+        return any(p.search(name) for p in self.layout.ignore_unexpected)
+
     def _is_sharded(self, name: str) -> bool:
         t = self.layout.expected[name]
         return isinstance(t, nn.Parameter) and t.dim() > 0 and name not in self.context.ignored_param_names
@@ -238,7 +242,7 @@ class _StreamingLoad:
                 return  # tied copy of a tensor already read
         expected = self.layout.expected.get(name)
         if expected is None:
-            if any(p.search(name) for p in self.layout.ignore_unexpected):
+            if self._ignored(name):
                 self.skipped.append(key)
                 return
             raise UnexpectedTensorError("the model has no parameter or buffer of this name", path=path, tensor=key)
@@ -287,6 +291,9 @@ class _StreamingLoad:
         """One checkpoint tensor feeding a conversion: read where this rank needs it (a row-local
         target: only the sources of its own rows), and run the chain once every source is in."""
         name = self._model_key(target.name)
+        if name is not None and name not in self.layout.expected and self._ignored(name):
+            self.skipped.append(key)  # as from_pretrained (an extra prediction layer, say)
+            name = None
         if name is not None:
             expected = self.layout.expected.get(name)
             if expected is None:

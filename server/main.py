@@ -157,8 +157,10 @@ def serve_rank(cfg: ServeConfig, source) -> None:
         # shards that are views of the host's shared copy are counted once, in its share
         shards -= weights.shard_view_bytes if weights is not None else 0
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        # each shard group maps its own ring: its sharers are the group's ranks (all on this host)
         engine.memory = MemoryReport(shards=shards, resident=residency.extra_bytes, kv_pool=engine.cache.nbytes,
-                                     ring=shm_pool, ring_sharers=local_ranks, shared_weights=residency.shared_bytes,
+                                     ring=shm_pool, ring_sharers=min(local_ranks, mesh_shape[1]),
+                                     shared_weights=residency.shared_bytes,
                                      shared_weights_sharers=residency.shared_with)
         channel = ControlChannel(cfg.collective_timeout_s)
         if rank == 0:
@@ -265,7 +267,9 @@ def _watch_local_ranks(state, scheduler) -> None:
     """Rank 0: /health turns 503 the moment a rank of this node dies, not when the collective that
     needs it fails or the launcher's SIGTERM comes (seconds later, and a drain looks alive)."""
     def watch() -> None:
-        while state.phase != "failed":
+        # while serving: once draining, the ranks leave on purpose (a failure then still shows in
+        # the collective that needs the dead rank, and in the SIGTERM handler's check)
+        while state.phase in ("warming_up", "ready"):
             reason = _dead_local_rank(scheduler)
             if reason is not None:
                 state.set_phase("failed", reason)

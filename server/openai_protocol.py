@@ -70,7 +70,7 @@ class _SamplingFields(BaseModel):
         if len(value) > 300:
             raise ValueError("logit_bias holds at most 300 tokens")
         for key, bias in value.items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"logit_bias keys are token ids, got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values lie in [-100, 100], got {bias} for token {key}")

@@ -255,9 +255,14 @@ def hsdp_root_unsharded(model: nn.Module) -> Iterator[None]:
 
     Calling a submodule skips the root's pre-forward, which would gather the parameters the
     root holds outside its units (such as tied embeddings). Collective: every rank of the
-    mesh must enter and leave this context together. No-op for a model that is not an FSDP2 root.
+    mesh must enter and leave this context together. No-op for a model that is not an FSDP2 root,
+    or whose root is resident (``set_resident_units``).
     """
     if not isinstance(model, FSDPModule):
+        yield
+        return
+    group = model._get_fsdp_state()._fsdp_param_group
+    if group is not None and group.is_unsharded:  # resident: gathered already, and must stay so
         yield
         return
     model.unshard()  # all-gather over the mesh

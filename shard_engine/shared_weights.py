@@ -20,9 +20,13 @@ Shared storage cannot be freed by FSDP (its reshard resizes storages to 0): befo
 may reshard, :meth:`SharedWeights.release` gives every parameter private memory again.
 :func:`shard_engine.overlap.set_resident_units` calls it whenever residency changes.
 
-Collective over the default group, like the all-gathers it replaces; the file lives in a
-directory of its own under /dev/shm (mode 0700, created exclusively) and is removed by
-:meth:`SharedWeights.release`, at exit, and by the launcher's sweep after a crash.
+Collective over the default group, like the all-gathers it replaces. The file lives in a
+directory of its own under /dev/shm (mode 0700, created exclusively, its space reserved up front)
+and is unlinked as soon as every rank has mapped it: the pages live while a rank maps them, and
+no crash, SIGKILL included, can leave them behind.
+
+Other FSDP paths that reshard (``state_dict``, ``FSDPModule.reshard``) cannot free shared storage
+either: call :meth:`SharedWeights.release` (``shared_weights_of(model).release()``) before them.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class SharedWeights:
                    for p, *_, is_view in self._entries if is_view)  # without FSDP's padding, as shards count
 
     def tensor(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if numel == 0:  # frombuffer refuses an empty slice
+            return torch.empty(0, dtype=dtype)
         return torch.frombuffer(self._map, dtype=dtype, count=numel, offset=offset)
 
     def release(self) -> None:
@@ -116,8 +122,8 @@ def share_resident_units(model: nn.Module, count: int, *, run_id: str | None = N
         reason = "no unit to share"
     elif len(groups) != 1:
         reason = "the model has no single FSDP shard group"
-    elif param is None or param.device.type != "cpu":
-        reason = "the parameters are not on the CPU"
+    elif param is None or param.device.type != "cpu" or any(g.device.type != "cpu" for g in groups.values()):
+        reason = "the units do not compute on the CPU"  # GPUs, and FSDP's CPU offload onto them
     layout, size = [], 0
     for unit in chosen:
         group = unit_param_group(unit)
@@ -141,14 +147,16 @@ def share_resident_units(model: nn.Module, count: int, *, run_id: str | None = N
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                 try:
-                    os.ftruncate(fd, max(size, 1))
+                    # reserved now: a full /dev/shm is ENOSPC here (and the fallback), not SIGBUS
+                    # in the middle of the gather (several shard groups of one host check at once)
+                    os.posix_fallocate(fd, 0, max(size, 1))
                 finally:
                     os.close(fd)
             except OSError as e:
                 reason = f"cannot create {path}: {e}"
         verdict = [reason]
         dist.broadcast_object_list(verdict, src=ranks[0], group=group)
-        reason = verdict[0]
+        reason = reason or verdict[0]  # a rank that cannot see the group's file keeps its own reason
     if not agree_on_shared_memory(reason, directory, "no shared copy of the resident units"):
         return None
 
@@ -163,11 +171,16 @@ def share_resident_units(model: nn.Module, count: int, *, run_id: str | None = N
         unit.set_reshard_after_forward(False, recurse=False)
     for unit in units[:count]:  # gather now, in the same order on every rank
         unit.unshard()
-    dist.barrier()  # every rank's copy-out is done: the shards may become views
+    dist.barrier()  # every rank's copy-out is done (and every rank has mapped the file)
+    if dist.get_rank() == ranks[0]:
+        # Unlinked now: the pages live as long as a rank maps them, and no crash can leak them.
+        shared._remove_files()
+    dist.barrier()  # on return, on every rank, the name is gone
     for fsdp_param, offset, numel, dtype in layout:
         whole = fsdp_param.all_gather_outputs[0]
         shard = fsdp_param._sharded_param_data
-        is_view = shard.dtype == dtype and fsdp_param.offload_to_cpu is False
+        # a view only where this rank's padded shard is a contiguous run of the whole: Shard(0)
+        is_view = shard.dtype == dtype and fsdp_param.fsdp_placement.dim == 0 and shard.numel() > 0
         if is_view:
             rank = fsdp_param.mesh_info.shard_mesh_rank
             _bind_shard(fsdp_param, whole.narrow(0, rank * shard.numel(), shard.numel()))

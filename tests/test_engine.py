@@ -189,3 +189,17 @@ def test_repetition_penalty_and_seeded_sampling_in_a_batch(model_and_reference):
     replay = alone.submit(prompts[1], 10, do_sample=True, temperature=0.9, top_k=20, seed=11)
     alone.run(_all_done([replay]))
     assert sampled[0]["tokens"] == sampled[1]["tokens"] == replay["tokens"]  # whatever it is batched with
+
+
+def test_a_burst_spreads_over_ranks_whatever_their_pool_sizes():
+    """Auto-sized pools differ a little between ranks; placement by blocks in use still spreads
+    a burst instead of sending all of it to the larger pool (seen once in CI: 0 and 6)."""
+    from server.engine import BlockPool, RequestHandle, SamplingParams, Scheduler
+
+    scheduler = Scheduler(pools=[BlockPool(1000, 4), BlockPool(1400, 4)], replicas=[[0, 1]], max_running=64,
+                          max_total_tokens=256, eos_token_ids={EOS}, max_queued=100, idle_wait_s=0.01)
+    for prompt in _prompts(6, [9, 12, 7]):
+        scheduler.submit(RequestHandle(prompt, SamplingParams(max_new_tokens=4), deliver=lambda event: None))
+    plan = scheduler.next_plan()
+    ranks = [add.rank for add in plan.add]
+    assert len(ranks) == 6 and sorted(ranks.count(r) for r in (0, 1)) == [3, 3], ranks

@@ -244,3 +244,38 @@ def test_refused_before_anything_is_read(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hsdp-serve: ")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
     assert errors[0].startswith("hsdp-serve: JambaForCausalLM is not served: its layers carry recurrent")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_soft_capping_and_sinks_in_query_blocks_stay_exact(family, monkeypatch):
+    """Chunks without SDPA take their queries a few at a time (bounded float32 scores)."""
+    import server.engine.attention as attention
+
+    monkeypatch.setattr(attention, "EXPLICIT_SCORES_BYTES", 4 * 4 * 40 * 3)  # ~3 queries per block here
+    test_engine_matches_generate(family)
+
+
+def test_converted_tensors_the_model_skips_are_skipped(tmp_path):
+    """GLM-4.5's checkpoints carry an extra prediction layer (model.layers.46, per-expert tensors)
+    that from_pretrained skips by the model's own pattern; routed to a conversion, it is skipped
+    too, and everything else still loads exactly."""
+    import transformers as T
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.dist import run_ranks, values
+
+    config = T.Glm4MoeConfig(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, n_routed_experts=4,
+                             num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+                             max_position_embeddings=512)
+    torch.manual_seed(0)
+    path = str(tmp_path / "glm4_moe")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    extra = {k.replace("model.layers.1.", "model.layers.46."): v.clone() for k, v in tensors.items()
+             if k.startswith("model.layers.1.mlp.experts.")}
+    assert extra
+    save_file({**tensors, **extra}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    results = values(run_ranks(_load_and_compare, 2, tmp_path, path, timeout=240))
+    assert all(r["exact"] and r["converted"] > 0 for r in results)

@@ -124,7 +124,7 @@ def _shared_residency(rank, world_size, path):
         run = {"resident": residency.as_dict(), "counts": [], "exact": []}
         if weights is not None:
             run["file"] = weights.path
-            run["file_exists"] = os.path.exists(weights.path)
+            run["file_exists"] = os.path.exists(weights.path)  # unlinked once every rank mapped it
             run["shard_view_bytes"] = weights.shard_view_bytes
             # the module's parameters and the local shards both live in the shared mapping
             first = fsdp_units(model)[1]  # the embeddings
@@ -156,7 +156,7 @@ def test_shared_residency_holds_one_copy_per_host_and_gathers_nothing(tmp_path, 
         assert shared_all["resident"]["extra_bytes_per_rank"] == 0
         assert shared_all["resident"]["shared_with"] == 2
         assert r["whole_bytes"] <= shared_all["resident"]["shared_bytes"] < r["whole_bytes"] + 64 * 64
-        assert shared_all["file_exists"] and shared_all["file"].startswith("/dev/shm/hsdp-")
+        assert not shared_all["file_exists"] and shared_all["file"].startswith("/dev/shm/hsdp-")
         assert shared_all["param_in_mapping"] and shared_all["shard_view_bytes"] > 0
         # released: the file is gone, every unit gathers again
         assert none["counts"] == [units, units] and not os.path.exists(shared_all["file"])

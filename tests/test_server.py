@@ -331,7 +331,8 @@ def test_openai_penalties_logit_bias_and_stop_token_ids(served, reference):
     assert complete(presence_penalty=1.5, frequency_penalty=-0.5).status_code == 200
     for fields, param in [({"presence_penalty": 2.5}, "presence_penalty"),
                           ({"logit_bias": {"999999": 5}}, "logit_bias"),
-                          ({"logit_bias": {"x": 5}}, "logit_bias"), ({"stop_token_ids": [999999]}, "stop_token_ids")]:
+                          ({"logit_bias": {"x": 5}}, "logit_bias"), ({"logit_bias": {"\u00b2": 5}}, "logit_bias"),
+                          ({"stop_token_ids": [999999]}, "stop_token_ids")]:
         r = complete(**fields)
         assert r.status_code == 400 and param in json.dumps(r.json()), (fields, r.text)
 

@@ -33,6 +33,10 @@ import torch
 import torch.nn.functional as F
 
 ATTN_IMPLEMENTATION = "hsdp_paged"
+EXPLICIT_SCORES_BYTES = 64 << 20
+"""Chunks computed without SDPA (soft-capping, sinks) take their queries in blocks whose float32
+scores stay under this, so a long prompt of a many-headed model does not hold heads x chunk x
+context floats several times over."""
 _UNSUPPORTED_KWARGS = ()  # every keyword an attention module passes is implemented or ignored
 
 
@@ -249,12 +253,17 @@ def _attend_chunk(chunk: _Chunk, query_HTd, key_HNd, value_HNd, scale: float, va
     if variant.softcap is None and variant.sinks_H is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_QL, scale=scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
-    else:  # SDPA has neither soft-capping nor sinks: the eager computation, per head group
+    else:  # SDPA has neither soft-capping nor sinks: the eager computation, a block of queries at a time
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [1, H, Q, L]
-        probs = variant.probabilities(scores, mask_QL[None, None], (1, -1, 1, 1))
-        out = torch.matmul(probs.to(v.dtype), v)
+        # float32 scores of at most ~EXPLICIT_SCORES_BYTES per block: [1, H, block, L]
+        block = max(1, EXPLICIT_SCORES_BYTES // (4 * q.shape[1] * max(1, k.shape[2])))
+        outs = []
+        for a in range(0, q.shape[2], block):
+            scores = torch.matmul(q[:, :, a:a + block], k.transpose(-1, -2)).float().mul_(scale)
+            probs = variant.probabilities(scores, mask_QL[None, None, a:a + block], (1, -1, 1, 1))
+            outs.append(torch.matmul(probs.to(v.dtype), v))
+        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     out_THd[chunk.row:chunk.row + chunk.count] = out[0].transpose(0, 1)
 
 

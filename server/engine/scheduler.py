@@ -5,9 +5,9 @@ Token ids only: text is the API side's business (``server.detokenize``). Each st
 1. every running sequence that has computed all its tokens decodes one more; one that crosses
    into a new block gets one, and when its rank has none left the youngest sequence there is
    preempted (its blocks freed, its tokens recomputed later), so the cache never overflows;
-2. waiting requests are admitted in arrival order while one fits: the replica with the most
-   free blocks first, then within it the rank holding the longest cached prefix of the prompt,
-   then the most free blocks. All of a prompt's blocks are taken at admission;
+2. waiting requests are admitted in arrival order while one fits: the replica with the fewest
+   blocks in use first, then within it the rank holding the longest cached prefix of the prompt,
+   then the fewest blocks in use. All of a prompt's blocks are taken at admission;
 3. prompts are computed in chunks: at most ``max_prefill_tokens`` prompt tokens per rank per
    step, new requests' first chunks before the rest of longer prompts, while decodes go on.
 
@@ -337,13 +337,15 @@ class Scheduler:
     def _place(self, num_tokens: int, keys: list[bytes], budget: list[int]) -> tuple[int, list[int]] | None:
         """(rank, its cached prefix blocks) for a new sequence, or None where none fits now.
 
-        A replica first (the most available blocks), then the rank within it that holds the
-        longest cached prefix, then has the most available blocks. A rank must keep 1% of its
-        blocks for its running sequences to grow into, and have prompt budget left this step, so
-        that the first chunk runs in the very next step."""
+        A replica first (the fewest blocks in use), then the rank within it that holds the
+        longest cached prefix, then has the fewest blocks in use: the work spreads by the memory
+        it takes, whatever the pools' sizes (auto-sized pools differ by a few hundred blocks
+        between ranks, which once sent a whole burst to the larger one). A rank must have room
+        for the sequence and keep 1% of its blocks for its running sequences to grow into, and
+        have prompt budget left this step, so that the first chunk runs in the very next step."""
         blocks = self._blocks_for(num_tokens)
         busy = {h.rank for h in self._running.values()}
-        for replica in sorted(self.replicas, key=lambda r: -sum(self.pools[i].num_available for i in r)):
+        for replica in sorted(self.replicas, key=lambda r: sum(self.pools[i].num_used for i in r)):
             best = None
             for rank in replica:
                 pool = self.pools[rank]
@@ -353,7 +355,7 @@ class Scheduler:
                     continue
                 if budget[rank] <= 0 and num_tokens - len(cached) * self.block_size > 1:
                     continue
-                score = (len(cached), pool.num_available)
+                score = (len(cached), -pool.num_used)
                 if best is None or score > best[0]:
                     best = (score, rank, cached)
             if best is not None:
