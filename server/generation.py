@@ -53,6 +53,21 @@ def check_admission(state: ServerState, prompt_ids: list[int], max_new_tokens: i
     return max_new_tokens
 
 
+def compile_grammar(state: ServerState, kind: str, spec, param: str) -> str:
+    """The llguidance grammar of a request's structured-output field, checked against the served
+    vocabulary; a schema or pattern it cannot take is the API's validation error naming ``param``."""
+    from server.engine.grammar import Grammars, grammar_for
+
+    try:
+        grammar = grammar_for(kind, spec)
+        if state.grammars is None:
+            state.grammars = Grammars(state.tokenizer)
+        state.grammars.check(grammar)
+    except Exception as e:  # noqa: BLE001 - llguidance's errors are plain exceptions with a message
+        raise InputValidationError(f"{param}: {e}", param=param) from e
+    return grammar
+
+
 class RequestStream:
     """One request, submitted on construction; its events carried from the engine thread into this loop."""
 

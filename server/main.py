@@ -151,7 +151,8 @@ def serve_rank(cfg: ServeConfig, source) -> None:
         per_rank = [None] * world_size
         # every rank, once; also the barrier between measuring free memory and allocating the pools
         dist.all_gather_object(per_rank, (loaded.stats.bytes_read, residency.extra_bytes, available))
-        engine = RankEngine(loaded.model, device, rank, num_blocks=available, block_size=cfg.kv_block_size)
+        engine = RankEngine(loaded.model, device, rank, num_blocks=available, block_size=cfg.kv_block_size,
+                            tokenizer=loaded.tokenizer)
         release_freed_memory()
         weights = shared_weights_of(loaded.model)
         # shards that are views of the host's shared copy are counted once, in its share

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from server.errors import GenerationError, InputValidationError, ModelNotFoundError, error_body
-from server.generation import RequestStream, check_admission
+from server.generation import RequestStream, check_admission, compile_grammar
 from server.engine.sampling import SamplingParams
 from server.engine.scheduler import TokenEvent
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage
@@ -32,6 +32,14 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+
+def _grammar(state: ServerState, req) -> str | None:
+    try:
+        asked = req.structured_output()
+    except ValueError as e:
+        raise InputValidationError(str(e), param="response_format") from e
+    return compile_grammar(state, *asked) if asked else None
 
 
 def _sampling(req, defaults: dict, max_new_tokens: int, top_logprobs: int, vocab: int) -> SamplingParams:
@@ -260,7 +268,8 @@ def build_openai_router(state: ServerState) -> APIRouter:
             else:
                 prompts.append(list(prompt))
         max_new = min(check_admission(state, ids, req.max_tokens or 16) for ids in prompts)
-        params = _sampling(req, state.sampling_defaults, max_new, req.logprobs or 0, vocab)
+        params = replace(_sampling(req, state.sampling_defaults, max_new, req.logprobs or 0, vocab),
+                         grammar=_grammar(state, req))
         streams = _open_streams(state, prompts, params, req)
         texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in req.prompts]
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -294,7 +303,8 @@ def build_openai_router(state: ServerState) -> APIRouter:
         prompt_ids = chat_prompt_ids(state, req)
         top = (req.top_logprobs or 0) if req.logprobs else 0
         max_new = check_admission(state, prompt_ids, req.max_completion_tokens or req.max_tokens)
-        params = _sampling(req, state.sampling_defaults, max_new, top, len(state.tokenizer))
+        params = replace(_sampling(req, state.sampling_defaults, max_new, top, len(state.tokenizer)),
+                         grammar=_grammar(state, req))
         streams = _open_streams(state, [prompt_ids], params, req)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

@@ -41,26 +41,44 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     ignore_eos: bool = False
     user: str | None = None
-    # Declared so that asking for them is an error, not silently ignored: not served yet
+    # Structured output: OpenAI's response_format, and vLLM's guided_* fields (one at most)
     response_format: dict | None = None
-    guided_json: object | None = None
+    guided_json: dict | str | None = None
     guided_regex: str | None = None
-    guided_choice: list | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("response_format")
     @classmethod
-    def _plain_text_only(cls, value):
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError(f"response_format {value.get('type')!r} (structured output) is not served yet; only "
-                             "'text'")
+    def _response_format(cls, value):
+        if value is None:
+            return value
+        kind = value.get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+        if kind == "json_schema":
+            schema = (value.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ValueError("response_format json_schema needs json_schema.schema, an object")
         return value
 
-    @field_validator("guided_json", "guided_regex", "guided_choice")
-    @classmethod
-    def _no_guided_decoding(cls, value):
-        if value is not None:
-            raise ValueError("guided decoding (structured output) is not served yet")
-        return value
+    def structured_output(self) -> tuple[str, object, str] | None:
+        """(grammar kind, its spec, the field it came from), or None for free text."""
+        asked = []
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            if self.response_format["type"] == "json_object":
+                asked.append(("json_object", None, "response_format"))
+            else:
+                asked.append(("json_schema", self.response_format["json_schema"]["schema"], "response_format"))
+        if self.guided_json is not None:
+            asked.append(("json_schema", self.guided_json, "guided_json"))
+        if self.guided_regex is not None:
+            asked.append(("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            asked.append(("choice", self.guided_choice, "guided_choice"))
+        if len(asked) > 1:
+            raise ValueError(f"at most one of response_format, guided_json, guided_regex, guided_choice; got "
+                             f"{', '.join(a[2] for a in asked)}")
+        return asked[0] if asked else None
 
     @field_validator("logit_bias")
     @classmethod

@@ -54,7 +54,15 @@ class GenerateParameters(BaseModel):
     def _default_max_new_tokens(cls, value: int | None) -> int:
         return 20 if value is None else value
 
-    @field_validator("watermark", "grammar", "adapter_id", "best_of", "decoder_input_details")
+    @field_validator("grammar")
+    @classmethod
+    def _grammar(cls, value: dict | None) -> dict | None:
+        if value is not None and (value.get("type") not in ("json", "json_object", "regex") or
+                                  (value["type"] != "json_object" and "value" not in value)):
+            raise ValueError('grammar is {"type": "json", "value": schema} or {"type": "regex", "value": pattern}')
+        return value
+
+    @field_validator("watermark", "adapter_id", "best_of", "decoder_input_details")
     @classmethod
     def _not_served(cls, value, info):
         unset = value is None or value is False or (info.field_name == "best_of" and value == 1)
@@ -65,7 +73,6 @@ class GenerateParameters(BaseModel):
 
 NOT_SERVED = {
     "watermark": "watermarking is not implemented by this server",
-    "grammar": "grammar-constrained generation is not implemented by this server yet",
     "adapter_id": "adapters (LoRA) are not served: one model without adapters is loaded",
     "best_of": "best_of > 1 is not implemented by this server",
     "decoder_input_details": "decoder_input_details (the prompt's log-probabilities) is not computed by this server",

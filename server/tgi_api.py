@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.errors import GenerationError, error_body
-from server.generation import RequestStream, check_admission
+from server.generation import RequestStream, check_admission, compile_grammar
 from server.protocol import (
     CompatGenerateRequest,
     Details,
@@ -42,10 +42,15 @@ def _start(state: ServerState, body: GenerateRequest) -> tuple[RequestStream, fl
     if p.truncate is not None:
         prompt_ids = prompt_ids[-p.truncate:]  # TGI's truncate: the input's last tokens
     check_admission(state, prompt_ids, p.max_new_tokens)
+    grammar = None
+    if p.grammar is not None:  # TGI's {"type": "json" | "regex", "value": ...}
+        kind = {"json": "json_schema", "json_object": "json_object", "regex": "regex"}[p.grammar["type"]]
+        grammar = compile_grammar(state, kind, p.grammar.get("value"), "grammar")
     params = SamplingParams(
         max_new_tokens=p.max_new_tokens, do_sample=p.do_sample, temperature=p.temperature, top_k=p.top_k,
         top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
         frequency_penalty=p.frequency_penalty or None, seed=p.seed, top_logprobs=p.top_n_tokens or 0,
+        grammar=grammar,
     )
     return RequestStream(state, prompt_ids, params, p.stop), time.monotonic() - start
 

@@ -355,18 +355,98 @@ def test_tokenize_and_detokenize_in_tgi_and_vllm_shapes(served):
     assert server.client.post("/detokenize", json={"tokens": [10**9]}).status_code == 422
 
 
-def test_structured_output_and_tools_are_refused_not_ignored(served):
-    """Not served yet: a request that asks for them gets 400 naming them, not free text."""
+def test_tools_are_refused_not_ignored(served):
+    """Tool calling is not served yet: a request that asks for it gets 400 naming it, not free text."""
     server, _, _ = served
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    for extra, words in [({"response_format": {"type": "json_object"}}, "response_format"),
-                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool calling"),
-                         ({"tool_choice": "required"}, "tool_choice"), ({"guided_regex": "a+"}, "guided")]:
+    for extra, words in [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool calling"),
+                         ({"tool_choice": "required"}, "tool_choice"),
+                         ({"guided_regex": "a+", "guided_choice": ["x"]}, "at most one"),
+                         ({"response_format": {"type": "xml"}}, "response_format")]:
         r = server.client.post("/v1/chat/completions", json={**chat, **extra})
         assert r.status_code == 400 and words in json.dumps(r.json()), (extra, r.text)
     ok = server.client.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"},
                                                           "tool_choice": "none"})
     assert ok.status_code == 200, ok.text
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "color", "tag"],
+          "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+                         "tag": {"type": "string", "maxLength": 4}}}
+
+
+def test_structured_outputs_always_match(served):
+    """A random-weight model, constrained: every answer parses and matches its schema or pattern,
+    greedy and sampled, streamed or not, through both APIs."""
+    import re
+
+    import jsonschema
+
+    server, _, _ = served
+    chat = {"messages": [{"role": "user", "content": "answer in JSON"}], "max_tokens": 60}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}, {"temperature": 0.8, "top_p": 0.9}):
+        r = server.client.post("/v1/chat/completions", json={**chat, **sampling, "response_format": fmt, "n": 2})
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+            assert choice["finish_reason"] == "stop"
+    r = server.client.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"},
+                                                         "temperature": 1.0, "seed": 5, "max_tokens": 200})
+    content = r.json()["choices"][0]["message"]["content"]
+    if r.json()["choices"][0]["finish_reason"] == "stop":  # any object may be long; complete, it parses
+        assert isinstance(json.loads(content), dict)
+    else:
+        assert content.startswith("{")
+    # streamed: the pieces concatenate to a valid answer
+    text = ""
+    with server.client.stream("POST", "/v1/chat/completions", json={**chat, "response_format": fmt,
+                                                                    "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+    jsonschema.validate(json.loads(text), SCHEMA)
+    # vLLM's guided fields on completions
+    out = server.client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 1.0,
+                                                      "seed": 1, "guided_choice": ["alpha", "beta", "gamma"]}).json()
+    assert out["choices"][0]["text"] in ("alpha", "beta", "gamma")
+    out = server.client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 20,
+                                                      "guided_regex": "[0-9]{3}-(yes|no)"}).json()
+    assert re.fullmatch("[0-9]{3}-(yes|no)", out["choices"][0]["text"]), out
+    # TGI's grammar parameter
+    for grammar, check in [({"type": "json", "value": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+                           ({"type": "regex", "value": "(cat|dog)s? [a-c]{2}"},
+                            lambda t: re.fullmatch("(cat|dog)s? [a-c]{2}", t) or pytest.fail(t))]:
+        r = server.client.post("/generate", json={"inputs": PROMPTS[1], "parameters": {
+            "max_new_tokens": 60, "grammar": grammar, "do_sample": True, "seed": 9}})
+        assert r.status_code == 200, r.text
+        check(r.json()["generated_text"])
+    # what the grammar library cannot take is a 4xx naming the field
+    bad = server.client.post("/v1/chat/completions", json={**chat, "guided_regex": "(unclosed"})
+    assert bad.status_code == 400 and "guided_regex" in json.dumps(bad.json()), bad.text
+    bad = server.client.post("/generate", json={"inputs": "x", "parameters": {"grammar": {"type": "json",
+                                                                                         "value": {"type": 7}}}})
+    assert bad.status_code == 422 and "grammar" in bad.json()["error"], bad.text
+
+
+def test_openai_sdk_parse_with_a_pydantic_model(served):
+    """``client.chat.completions.parse(response_format=Model)`` unmodified: a parsed Model back."""
+    from typing import Literal
+
+    from openai import OpenAI
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        ok: bool
+        color: Literal["red", "green", "blue"]
+
+    server, _, _ = served
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+    completion = client.chat.completions.parse(model=client.models.list().data[0].id, max_tokens=60,
+                                               messages=[{"role": "user", "content": "answer"}],
+                                               response_format=Answer, temperature=0)
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Answer), completion
 
 
 def test_openai_n_prompt_lists_and_token_id_prompts(served, reference):

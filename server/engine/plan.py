@@ -56,6 +56,7 @@ class TokenResult:
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
     error: str | None = None  # choosing this sequence's token failed; the sequence is dropped
+    stop: bool = False  # the sequence's grammar is complete: this token is its last
 
 
 @dataclass

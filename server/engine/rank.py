@@ -98,10 +98,16 @@ class _Sequence:
         self.params = add.params
         self.num_generated = add.num_generated
 
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.tokens) - self.num_generated:] if self.num_generated else []
+
 
 class RankEngine:
-    def __init__(self, model: nn.Module, device: torch.device, rank: int, *, num_blocks: int, block_size: int):
+    def __init__(self, model: nn.Module, device: torch.device, rank: int, *, num_blocks: int, block_size: int,
+                 tokenizer=None):
         self.model, self.device, self.rank = model, device, rank
+        self.tokenizer = tokenizer  # for grammars (constrained decoding), built at their first use
+        self._grammar_rows = None
         self.block_size = block_size
         geometry = KVGeometry.of(model)
         self.cache = PagedKVCache(num_layers=geometry.num_layers, num_blocks=num_blocks, block_size=block_size,
@@ -121,6 +127,8 @@ class RankEngine:
     def step(self, plan: StepPlan) -> StepResult:
         for seq_id in plan.remove:
             self.sequences.pop(seq_id, None)
+            if self._grammar_rows is not None:
+                self._grammar_rows.forget(seq_id)
         for add in plan.add:
             if add.rank == self.rank:
                 self.sequences[add.seq_id] = _Sequence(add)
@@ -181,25 +189,52 @@ class RankEngine:
         if not sampling:
             return []
         rows = [Row(s.params, s.tokens, s.num_generated) for s in sampling]
+        logits = out.logits[0]
+        allowed = {}
+        for i, seq in enumerate(sampling):
+            if seq.params.grammar is not None:
+                try:
+                    allowed[i] = self._grammars().mask(seq.seq_id, seq.params.grammar, seq.generated(),
+                                                       logits.shape[-1], logits.device)
+                except Exception as e:  # noqa: BLE001 - its sequence fails below, alone
+                    allowed[i] = e
+        failed = {i: e for i, e in allowed.items() if isinstance(e, Exception)}
+        masks = {i: m for i, m in allowed.items() if i not in failed}
         try:
-            chosen = self.sampler.sample(out.logits[0], rows)
+            if failed:
+                raise RuntimeError("a grammar failed")
+            chosen = self.sampler.sample(logits, rows, masks)
         except Exception:  # noqa: BLE001 - find the row at fault; the others go on
-            chosen = [self._sample_alone(out.logits[0][i:i + 1], row) for i, row in enumerate(rows)]
+            chosen = [f"{type(failed[i]).__name__}: {failed[i]}" if i in failed else
+                      self._sample_alone(logits[i:i + 1], row, {0: masks[i]} if i in masks else None)
+                      for i, row in enumerate(rows)]
         results = []
         for seq, pick in zip(sampling, chosen):
             if isinstance(pick, str):
                 results.append(TokenResult(seq.seq_id, -1, 0.0, error=pick))
                 del self.sequences[seq.seq_id]
+                if self._grammar_rows is not None:
+                    self._grammar_rows.forget(seq.seq_id)
                 continue
             token, logprob, top = pick
             seq.tokens.append(token)
             seq.num_generated += 1
-            results.append(TokenResult(seq.seq_id, token, logprob, top))
+            stop = seq.params.grammar is not None and self._grammars().accept(seq.seq_id, token)
+            results.append(TokenResult(seq.seq_id, token, logprob, top, stop=stop))
         return results
 
-    def _sample_alone(self, logits_1V, row: Row):
+    def _grammars(self):
+        if self._grammar_rows is None:
+            from server.engine.grammar import GrammarRows, Grammars
+
+            if self.tokenizer is None:
+                raise RuntimeError("this rank engine has no tokenizer: it cannot follow grammars")
+            self._grammar_rows = GrammarRows(Grammars(self.tokenizer))
+        return self._grammar_rows
+
+    def _sample_alone(self, logits_1V, row: Row, allowed=None):
         try:
-            return self.sampler.sample(logits_1V, [row])[0]
+            return self.sampler.sample(logits_1V, [row], allowed)[0]
         except Exception as e:  # noqa: BLE001 - one sequence's bad parameters must not stop the group
             return f"{type(e).__name__}: {e}"
 

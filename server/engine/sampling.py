@@ -43,6 +43,8 @@ class SamplingParams:
     """Token ids that end the sequence as its end-of-sequence token does (vLLM's ``stop_token_ids``)."""
     ignore_eos: bool = False
     """Go on past the end-of-sequence token, to ``max_new_tokens`` (vLLM's ``ignore_eos``)."""
+    grammar: str | None = None
+    """llguidance's grammar string (``server.engine.grammar.grammar_for``): only tokens it allows."""
 
     @property
     def samples(self) -> bool:
@@ -114,11 +116,13 @@ class BatchSampler:
     def __init__(self):
         self._generator = torch.Generator()
 
-    def sample(self, logits_NV: torch.Tensor, rows: list[Row]) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    def sample(self, logits_NV: torch.Tensor, rows: list[Row],
+               allowed: dict[int, torch.Tensor] | None = None) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """Per row: the next token, its log-probability under the model, and the ``top_logprobs``
-        most likely tokens with theirs."""
+        most likely tokens with theirs. ``allowed``: per row index, a [vocab] bool mask of the
+        tokens its grammar allows (the others are never chosen)."""
         logits_NV = logits_NV.float()
-        scores_NV = self._process(logits_NV, rows)
+        scores_NV = self._process(logits_NV, rows, allowed)
         tokens_N = torch.argmax(scores_NV, dim=-1)
         sampled = [i for i, row in enumerate(rows) if row.params.samples]
         if sampled:
@@ -131,7 +135,7 @@ class BatchSampler:
             # A distribution degenerate past float range (temperature -> 0 and the like) has greedy
             # as its limit: the most likely token under the model.
             finite_M = torch.isfinite(probs_MV).all(dim=-1)
-            greedy_M = torch.argmax(logits_NV.index_select(0, index), dim=-1)
+            greedy_M = torch.argmax(scores_NV.index_select(0, index), dim=-1)  # allowed tokens only
             tokens_N.index_copy_(0, index, torch.where(finite_M, drawn_M, greedy_M))
         chosen_N1 = tokens_N.unsqueeze(1)
         logprob_N = (logits_NV.gather(1, chosen_N1).squeeze(1) - torch.logsumexp(logits_NV, dim=-1)).tolist()
@@ -151,8 +155,10 @@ class BatchSampler:
         return float(torch.rand((), generator=self._generator))
 
     @staticmethod
-    def _process(logits_NV: torch.Tensor, rows: list[Row]) -> torch.Tensor:
-        """transformers' processors, row-wise parameters, in generate's order."""
+    def _process(logits_NV: torch.Tensor, rows: list[Row], allowed: dict[int, torch.Tensor] | None = None
+                 ) -> torch.Tensor:
+        """transformers' processors, row-wise parameters, in generate's order; a grammar's mask
+        (``allowed``) before the warpers, so that top-k, top-p and min-p choose among what it allows."""
         scores = logits_NV
         vocab = scores.shape[1]
         device = scores.device
@@ -179,6 +185,12 @@ class BatchSampler:
             rows_i, cols, bias = zip(*biased)
             scores = scores.index_put((torch.tensor(rows_i, device=device), torch.tensor(cols, device=device)),
                                       torch.tensor(bias, dtype=scores.dtype, device=device), accumulate=True)
+        if allowed:
+            scores = scores.clone()  # never the logits themselves: logprobs are taken from them
+            for i, mask in allowed.items():
+                if not bool(mask.any()):
+                    raise ValueError("the grammar allows no token here")
+                scores[i] = scores[i].masked_fill(~mask, float("-inf"))
         warped = [i for i, r in enumerate(rows) if r.params.samples]
         if not warped:
             return scores

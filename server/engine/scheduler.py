@@ -408,7 +408,8 @@ class Scheduler:
         handle.tokens.append(token_id)
         reason = None
         params = handle.params
-        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids \
+                or result.stop:  # (stop: its grammar is complete)
             reason = "eos_token"
         elif handle.num_generated >= handle.params.max_new_tokens or len(handle.tokens) >= self.max_total_tokens:
             reason = "length"
