@@ -302,7 +302,7 @@ def test_tgi_parameters_null_means_unset(served, reference):
     out = _generate(server.client, PROMPTS[0], max_new_tokens=8, details=True, watermark=False,
                     decoder_input_details=False, **nulls)
     assert _ids(out) == reference(PROMPTS[0], 8)
-    for field, value, words in [("best_of", 2, "best_of"), ("grammar", {"type": "json", "value": {}}, "grammar"),
+    for field, value, words in [("best_of", 2, "best_of"), ("grammar", {"type": "xml", "value": ""}, "grammar"),
                                 ("adapter_id", "lora", "adapters"), ("decoder_input_details", True, "prompt's")]:
         r = server.client.post("/generate", json={"inputs": PROMPTS[0], "parameters": {field: value}})
         assert r.status_code == 422 and words in r.json()["error"], (field, r.text)

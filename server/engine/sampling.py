@@ -135,7 +135,7 @@ class BatchSampler:
             # A distribution degenerate past float range (temperature -> 0 and the like) has greedy
             # as its limit: the most likely token under the model.
             finite_M = torch.isfinite(probs_MV).all(dim=-1)
-            greedy_M = torch.argmax(scores_NV.index_select(0, index), dim=-1)  # allowed tokens only
+            greedy_M = torch.argmax(self._allowed_logits(logits_NV, allowed).index_select(0, index), dim=-1)
             tokens_N.index_copy_(0, index, torch.where(finite_M, drawn_M, greedy_M))
         chosen_N1 = tokens_N.unsqueeze(1)
         logprob_N = (logits_NV.gather(1, chosen_N1).squeeze(1) - torch.logsumexp(logits_NV, dim=-1)).tolist()
@@ -147,6 +147,16 @@ class BatchSampler:
                 values, indices = torch.topk(torch.log_softmax(logits_NV[i], dim=-1), row.params.top_logprobs)
                 top = list(zip(indices.tolist(), values.tolist()))
             out.append((tokens[i], logprob_N[i], top))
+        return out
+
+    @staticmethod
+    def _allowed_logits(logits_NV: torch.Tensor, allowed: dict[int, torch.Tensor] | None) -> torch.Tensor:
+        """The raw logits, with what a row's grammar forbids at -inf (the scores may have overflowed)."""
+        if not allowed:
+            return logits_NV
+        out = logits_NV.clone()
+        for i, mask in allowed.items():
+            out[i] = out[i].masked_fill(~mask, float("-inf"))
         return out
 
     def _uniform(self, row: Row) -> float:
