@@ -53,16 +53,22 @@ def check_admission(state: ServerState, prompt_ids: list[int], max_new_tokens: i
     return max_new_tokens
 
 
+def check_token_ids(ids, vocab: int, param: str) -> None:
+    """Token ids a request gives (prompts, logit_bias, stop_token_ids, detokenize) must lie in the
+    vocabulary; the first that does not is the API's validation error naming ``param``."""
+    if bad := [t for t in ids if not 0 <= t < vocab]:
+        raise InputValidationError(f"{param}: token id {bad[0]} is outside the vocabulary ({vocab} tokens)",
+                                   param=param)
+
+
 def compile_grammar(state: ServerState, kind: str, spec, param: str) -> str:
     """The llguidance grammar of a request's structured-output field, checked against the served
     vocabulary; a schema or pattern it cannot take is the API's validation error naming ``param``."""
-    from server.engine.grammar import Grammars, grammar_for
+    from server.engine.grammar import grammar_for, grammars_of
 
     try:
         grammar = grammar_for(kind, spec)
-        if state.grammars is None:
-            state.grammars = Grammars(state.tokenizer)
-        state.grammars.check(grammar)
+        grammars_of(state.tokenizer).check(grammar)
     except Exception as e:  # noqa: BLE001 - llguidance's errors are plain exceptions with a message
         raise InputValidationError(f"{param}: {e}", param=param) from e
     return grammar

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from server.errors import GenerationError, InputValidationError, ModelNotFoundError, error_body
-from server.generation import RequestStream, check_admission, compile_grammar
+from server.generation import RequestStream, check_admission, check_token_ids, compile_grammar
 from server.engine.sampling import SamplingParams
 from server.engine.scheduler import TokenEvent
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage
@@ -42,18 +42,17 @@ def _grammar(state: ServerState, req) -> str | None:
     return compile_grammar(state, *asked) if asked else None
 
 
-def _sampling(req, defaults: dict, max_new_tokens: int, top_logprobs: int, vocab: int) -> SamplingParams:
-    """The request's sampling settings; those it leaves unset come from ``defaults`` (the
-    checkpoint's generation config), then OpenAI's (temperature 1, nothing else). Token ids
-    (``logit_bias``, ``stop_token_ids``) must lie in the vocabulary of ``vocab`` tokens."""
-    for name, ids in (("logit_bias", [int(k) for k in req.logit_bias or {}]), ("stop_token_ids", req.stop_token_ids)):
-        if bad := [t for t in ids or () if t >= vocab]:
-            raise InputValidationError(f"{name}: token id {bad[0]} is outside the vocabulary ({vocab} tokens)",
-                                      param=name)
+def _sampling(state: ServerState, req, max_new_tokens: int, top_logprobs: int) -> SamplingParams:
+    """The request's sampling settings; those it leaves unset come from the checkpoint's generation
+    config (``state.sampling_defaults``), then OpenAI's (temperature 1, nothing else). Token ids
+    (``logit_bias``, ``stop_token_ids``) must lie in the vocabulary; structured output becomes a grammar."""
+    vocab = len(state.tokenizer)
+    check_token_ids([int(k) for k in req.logit_bias or {}], vocab, "logit_bias")
+    check_token_ids(req.stop_token_ids or (), vocab, "stop_token_ids")
 
     def setting(name: str):
         value = getattr(req, name)
-        return defaults.get(name) if value is None else value
+        return state.sampling_defaults.get(name) if value is None else value
 
     temperature = setting("temperature")
     temperature = 1.0 if temperature is None else temperature
@@ -75,6 +74,7 @@ def _sampling(req, defaults: dict, max_new_tokens: int, top_logprobs: int, vocab
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
+        grammar=_grammar(state, req),
     )
 
 
@@ -257,19 +257,15 @@ def build_openai_router(state: ServerState) -> APIRouter:
     @router.post("/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(state, req.model)
-        vocab = len(state.tokenizer)
         prompts = []
         for prompt in req.prompts:
             if isinstance(prompt, str):
                 prompts.append(state.tokenizer(prompt).input_ids)
-            elif bad := [t for t in prompt if t >= vocab]:
-                raise InputValidationError(f"prompt: token id {bad[0]} is outside the vocabulary ({vocab} tokens)",
-                                           param="prompt")
             else:
+                check_token_ids(prompt, len(state.tokenizer), "prompt")
                 prompts.append(list(prompt))
         max_new = min(check_admission(state, ids, req.max_tokens or 16) for ids in prompts)
-        params = replace(_sampling(req, state.sampling_defaults, max_new, req.logprobs or 0, vocab),
-                         grammar=_grammar(state, req))
+        params = _sampling(state, req, max_new, req.logprobs or 0)
         streams = _open_streams(state, prompts, params, req)
         texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in req.prompts]
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -303,8 +299,7 @@ def build_openai_router(state: ServerState) -> APIRouter:
         prompt_ids = chat_prompt_ids(state, req)
         top = (req.top_logprobs or 0) if req.logprobs else 0
         max_new = check_admission(state, prompt_ids, req.max_completion_tokens or req.max_tokens)
-        params = replace(_sampling(req, state.sampling_defaults, max_new, top, len(state.tokenizer)),
-                         grammar=_grammar(state, req))
+        params = _sampling(state, req, max_new, top)
         streams = _open_streams(state, [prompt_ids], params, req)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

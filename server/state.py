@@ -39,7 +39,6 @@ class ServerState:
     load_bytes_read: list[int] | None = None  # checkpoint bytes each rank read at startup
     sampling_defaults: dict = field(default_factory=dict)  # generation_config.json's, for OpenAI requests
     special_ids: frozenset = frozenset()  # the tokenizer's special tokens (TGI's `special`)
-    grammars: object | None = None  # server.engine.grammar.Grammars for checking requests' grammars, at first use
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def set_phase(self, phase: str, failure: str | None = None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from server.errors import InputValidationError, UnavailableError
+from server.generation import check_token_ids
 from server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -55,10 +56,7 @@ def build_tokenize_router(state: ServerState) -> APIRouter:
 
     @router.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(body: DetokenizeRequest):
-        vocab = len(tokenizer())
-        if bad := [t for t in body.tokens if not 0 <= t < vocab]:
-            raise InputValidationError(f"token id {bad[0]} is outside the vocabulary ({vocab} tokens)",
-                                       param="tokens")
+        check_token_ids(body.tokens, len(tokenizer()), "tokens")
         return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
 
     return router

@@ -52,10 +52,10 @@ _ALIGN = 64
 class SharedWeights:
     """One shard group's shared copy of its resident units, as one rank maps it."""
 
-    def __init__(self, directory: str, path: str, size: int, entries: list, sharers: int):
+    def __init__(self, directory: str, path: str, size: int, units: list, sharers: int):
         self.directory, self.path, self.size, self.sharers = directory, path, size, sharers
-        self._entries = entries  # (fsdp_param, offset, numel, dtype, shard_is_view)
-        self._units: list = []
+        self._units = units  # the shared units (they reshard on release)
+        self._entries: list = []  # (fsdp_param, offset, numel, dtype, shard_is_view), as they are shared
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -160,8 +160,7 @@ def share_resident_units(model: nn.Module, count: int, *, run_id: str | None = N
     if not agree_on_shared_memory(reason, directory, "no shared copy of the resident units"):
         return None
 
-    shared = SharedWeights(directory, path, max(size, 1), [], sharers=len(ranks))
-    shared._units = chosen
+    shared = SharedWeights(directory, path, max(size, 1), chosen, sharers=len(ranks))
     for fsdp_param, offset, numel, dtype in layout:
         whole = shared.tensor(offset, numel, dtype)
         fsdp_param.all_gather_outputs = [whole]  # FSDP2 copies the gathered unit out into it

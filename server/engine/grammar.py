@@ -69,6 +69,18 @@ class Grammars:
         self.matcher(grammar)
 
 
+_GRAMMARS: dict[int, tuple[object, Grammars]] = {}
+
+
+def grammars_of(tokenizer) -> Grammars:
+    """The process's one :class:`Grammars` for ``tokenizer`` (rank 0 checks requests with the same
+    one its engine masks with): llguidance's view of a vocabulary is built once."""
+    entry = _GRAMMARS.get(id(tokenizer))
+    if entry is None or entry[0] is not tokenizer:
+        entry = _GRAMMARS[id(tokenizer)] = (tokenizer, Grammars(tokenizer))
+    return entry[1]
+
+
 class GrammarRows:
     """A rank's matchers, one per constrained sequence, and the masks they give."""
 

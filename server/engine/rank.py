@@ -98,9 +98,6 @@ class _Sequence:
         self.params = add.params
         self.num_generated = add.num_generated
 
-    def generated(self) -> list[int]:
-        return self.tokens[len(self.tokens) - self.num_generated:] if self.num_generated else []
-
 
 class RankEngine:
     def __init__(self, model: nn.Module, device: torch.device, rank: int, *, num_blocks: int, block_size: int,
@@ -190,23 +187,22 @@ class RankEngine:
             return []
         rows = [Row(s.params, s.tokens, s.num_generated) for s in sampling]
         logits = out.logits[0]
-        allowed = {}
-        for i, seq in enumerate(sampling):
+        masks, failed = {}, {}  # per row: the tokens its grammar allows, or why it has none
+        for i, (seq, row) in enumerate(zip(sampling, rows)):
             if seq.params.grammar is not None:
                 try:
-                    allowed[i] = self._grammars().mask(seq.seq_id, seq.params.grammar, seq.generated(),
-                                                       logits.shape[-1], logits.device)
-                except Exception as e:  # noqa: BLE001 - its sequence fails below, alone
-                    allowed[i] = e
-        failed = {i: e for i, e in allowed.items() if isinstance(e, Exception)}
-        masks = {i: m for i, m in allowed.items() if i not in failed}
-        try:
-            if failed:
-                raise RuntimeError("a grammar failed")
-            chosen = self.sampler.sample(logits, rows, masks)
-        except Exception:  # noqa: BLE001 - find the row at fault; the others go on
-            chosen = [f"{type(failed[i]).__name__}: {failed[i]}" if i in failed else
-                      self._sample_alone(logits[i:i + 1], row, {0: masks[i]} if i in masks else None)
+                    masks[i] = self._grammars().mask(seq.seq_id, seq.params.grammar, row.generated(),
+                                                     logits.shape[-1], logits.device)
+                except Exception as e:  # noqa: BLE001 - its sequence fails alone
+                    failed[i] = f"{type(e).__name__}: {e}"
+        chosen = None
+        if not failed:
+            try:
+                chosen = self.sampler.sample(logits, rows, masks)
+            except Exception:  # noqa: BLE001 - find the row at fault below; the others go on
+                pass
+        if chosen is None:
+            chosen = [failed.get(i) or self._sample_alone(logits[i:i + 1], row, {0: masks[i]} if i in masks else None)
                       for i, row in enumerate(rows)]
         results = []
         for seq, pick in zip(sampling, chosen):
@@ -225,11 +221,11 @@ class RankEngine:
 
     def _grammars(self):
         if self._grammar_rows is None:
-            from server.engine.grammar import GrammarRows, Grammars
+            from server.engine.grammar import GrammarRows, grammars_of
 
             if self.tokenizer is None:
                 raise RuntimeError("this rank engine has no tokenizer: it cannot follow grammars")
-            self._grammar_rows = GrammarRows(Grammars(self.tokenizer))
+            self._grammar_rows = GrammarRows(grammars_of(self.tokenizer))
         return self._grammar_rows
 
     def _sample_alone(self, logits_1V, row: Row, allowed=None):

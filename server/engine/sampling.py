@@ -111,6 +111,10 @@ class Row:
     def __init__(self, params: SamplingParams, tokens: list[int], num_generated: int):
         self.params, self.tokens, self.num_generated = params, tokens, num_generated
 
+    def generated(self) -> list[int]:
+        """The tokens this sequence generated (its prompt's not among them)."""
+        return self.tokens[len(self.tokens) - self.num_generated:] if self.num_generated else []
+
 
 class BatchSampler:
     def __init__(self):
@@ -252,8 +256,7 @@ def _penalize_generated(scores: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     vocab, device = scores.shape[1], scores.device
     counts = torch.zeros(len(penalised), vocab + 1, dtype=scores.dtype)  # vocab: a column for out-of-range ids
     for j, i in enumerate(penalised):
-        row = rows[i]
-        generated = row.tokens[len(row.tokens) - row.num_generated:] if row.num_generated else []
+        generated = rows[i].generated()
         if generated:
             ids = torch.tensor(generated).clamp_(max=vocab)
             counts[j].index_add_(0, ids, torch.ones(len(generated), dtype=scores.dtype))
