@@ -23,7 +23,7 @@ TEXT = ("The capital of France is Paris. Ünïcödé, 日本語 and emoji 🙂 m
 def _incremental(tokenizer, ids: list[int]) -> float:
     from server.detokenize import IncrementalDetokenizer, StopSequences
     from server.engine.scheduler import TokenEvent
-    from server.openai_api import _TextDeltas
+    from server.api.openai.serving import TextDeltas as _TextDeltas
 
     detok, stops, deltas = IncrementalDetokenizer(tokenizer), StopSequences(["</answer>", "\n\n\n"]), None
     deltas = _TextDeltas(stops.stops)

@@ -1,5 +1,5 @@
-"""Rank 0's HTTP app: probes, info and metrics here; the generate routes in ``tgi_api`` and
-``openai_api``, tokenization in ``tokenize_api``. Errors leave through ``server.errors``, in each API's style.
+"""Rank 0's HTTP app: probes, info and metrics here; the APIs in ``server.api`` (TGI's, OpenAI's,
+tokenization). Errors leave through ``server.errors``, in each API's style.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from server import __version__
 from server.errors import register_error_handlers
 from server.guard import GuardMiddleware
-from server.openai_api import build_openai_router
+from server.api.openai.router import build_openai_router
 from server.state import ServerState
-from server.tgi_api import build_tgi_router
-from server.tokenize_api import build_tokenize_router
+from server.api.tgi.router import build_tgi_router
+from server.api.tokenize import build_tokenize_router
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 

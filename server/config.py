@@ -18,10 +18,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 
 from loaders import READ_MODES
+from server.api.openai.tools import FORMATS as TOOL_FORMATS
 from server.launch import DEVICE_TYPES, LOG_LEVELS, int_or_keyword, parse_nproc_per_node
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALL_GATHERS = ("auto", "shm", "group")
+TOOL_CALL_PARSERS = tuple(TOOL_FORMATS)
 
 
 def parse_resident_units(text: str) -> int | None:
@@ -93,6 +95,12 @@ class ServeConfig:
     served_model_name: str | None = option(
         None, "the name OpenAI clients give as `model` (default: the repo id, or the directory's name)", "model",
         metavar="NAME")
+    chat_template: str | None = option(
+        None, "a Jinja chat template used instead of the tokenizer's: a file, or the template itself", "model",
+        metavar="FILE")
+    tool_call_parser: str = option("hermes", "the model's tool-call format, how tools are shown to it and its calls "
+                                   "read: hermes (<tool_call>{json}</tool_call>: Hermes, Qwen)", "model",
+                                   choices=TOOL_CALL_PARSERS, metavar="NAME")
     dtype: str = option("auto", "weights' dtype; auto keeps the checkpoint's, but loads bf16/fp16 as float32 on "
                         "a CPU without native support for them", "model", choices=DTYPES)
     read_mode: str = option("sliced", "sliced: each rank reads only its own rows; full: whole tensors", "model",

@@ -18,6 +18,9 @@ from server.engine.scheduler import ErrorEvent, RequestHandle, TokenEvent, choos
 from server.errors import GenerationError, InputValidationError, OverloadedError, UnavailableError
 from server.state import ServerState
 
+MAX_STOP_SEQUENCES = 16
+"""Stop sequences a request may give, on either API."""
+
 
 def check_admission(state: ServerState, prompt_ids: list[int], max_new_tokens: int | None) -> int:
     """Raise unless the server is ready and the request fits the limits; the new-token budget."""

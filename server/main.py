@@ -129,6 +129,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
         http = start_http_server(build_app(state, max_body_bytes=cfg.max_body_bytes), cfg.host, cfg.port)
     try:
         from loaders.checkpoint import load_config
+        from server.api.openai.chat import ChatRenderer, read_chat_template
         from server.engine.capability import check_servable
 
         check_servable(load_config(source.path))  # again under torchrun, where no launcher ran it
@@ -184,6 +185,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
                                limits.max_total_tokens)
             state.special_ids = frozenset(getattr(loaded.tokenizer, "all_special_ids", ()))
             state.limits, state.tokenizer, state.scheduler = limits, loaded.tokenizer, scheduler
+            state.chat = ChatRenderer(loaded.tokenizer, read_chat_template(cfg.chat_template), cfg.tool_call_parser)
             state.sampling_defaults = sampling_defaults(loaded.model)
             if state.sampling_defaults:
                 logger.info("generation_config.json's sampling defaults apply to OpenAI requests that leave them "
@@ -308,11 +310,13 @@ def _ignore_stop_signals() -> None:
 def _check_before_launch(cfg: ServeConfig, source) -> None:
     """What can fail before any rank starts fails here, in one line."""
     from loaders.checkpoint import load_config
+    from server.api.openai.chat import read_chat_template
     from server.engine.capability import check_servable
     from server.launch import is_under_torchrun, resolve_nproc_per_node
     from shard_engine import HSDPInferenceConfig
 
     check_servable(load_config(source.path))  # a model the engine cannot serve is refused unread
+    read_chat_template(cfg.chat_template)  # a --chat-template that is neither file nor template
 
     cfg.nproc_per_node = resolve_nproc_per_node(cfg.nproc_per_node, resolve_device_type(cfg.device))
     if not is_under_torchrun():

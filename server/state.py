@@ -39,6 +39,7 @@ class ServerState:
     load_bytes_read: list[int] | None = None  # checkpoint bytes each rank read at startup
     sampling_defaults: dict = field(default_factory=dict)  # generation_config.json's, for OpenAI requests
     special_ids: frozenset = frozenset()  # the tokenizer's special tokens (TGI's `special`)
+    chat: object | None = None  # server.api.openai.chat.ChatRenderer: chat template and tool-call format
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def set_phase(self, phase: str, failure: str | None = None) -> None:

@@ -63,7 +63,7 @@ def test_openai_completions(served, reference, openai_client):
 
 
 def test_openai_chat_completions(served, reference, openai_client):
-    from server.openai_api import FALLBACK_CHAT_TEMPLATE
+    from server.api.openai.chat import FALLBACK_CHAT_TEMPLATE
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     prompt = tokenizer().apply_chat_template(messages, chat_template=FALLBACK_CHAT_TEMPLATE,

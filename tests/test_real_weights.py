@@ -100,3 +100,135 @@ def test_greedy_chat_equals_transformers_alone_and_together(served, reference):
         answers = list(pool.map(lambda q: _chat(served, q), QUESTIONS))
     for question, (_, tokens) in zip(QUESTIONS, answers):
         assert tokens == reference[question], question
+
+
+# --- tool calling, on the default's template (which takes no tools: they are written into the prompt) ---
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "add", "description": "Add two integers",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                       "required": ["a", "b"], "additionalProperties": False}}},
+]
+WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def openai_client(served):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+
+
+def _check_calls(calls, names):
+    import json
+
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    assert calls, "no tool call"
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_tool_choice_required_and_named_give_calls_that_match_their_schemas(openai_client, sampled):
+    settings = {"temperature": 1.0, "seed": 7} if sampled else {"temperature": 0}
+    out = openai_client.chat.completions.create(model="SmolLM2-135M-Instruct-Q4_1", messages=WEATHER, tools=TOOLS,
+                                                tool_choice="required", max_tokens=120, **settings)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    _check_calls(choice.message.tool_calls, {"get_weather", "add"})
+    named = openai_client.chat.completions.create(
+        model="SmolLM2-135M-Instruct-Q4_1", messages=WEATHER, tools=TOOLS, max_tokens=120,
+        tool_choice={"type": "function", "function": {"name": "add"}}, **settings)
+    assert named.choices[0].finish_reason == "stop"  # OpenAI's for a named function
+    assert len(named.choices[0].message.tool_calls) == 1
+    _check_calls(named.choices[0].message.tool_calls, {"add"})
+    one = openai_client.chat.completions.create(model="SmolLM2-135M-Instruct-Q4_1", messages=WEATHER, tools=TOOLS,
+                                                tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+                                                **settings)
+    assert len(one.choices[0].message.tool_calls) == 1
+
+
+def test_streamed_tool_calls_add_up_to_the_whole_answer(openai_client):
+    kwargs = dict(model="SmolLM2-135M-Instruct-Q4_1", messages=WEATHER, tools=TOOLS, tool_choice="required",
+                  max_tokens=120, temperature=0)
+    whole = openai_client.chat.completions.create(**kwargs).choices[0]
+    calls: dict[int, dict] = {}
+    finish, pieces = None, 0
+    for chunk in openai_client.chat.completions.create(stream=True, **kwargs):
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        for delta in choice.delta.tool_calls or ():
+            pieces += 1
+            call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+            if delta.id is not None:
+                assert call["id"] is None, "a call's id is sent once"
+                call["id"], call["name"] = delta.id, delta.function.name
+            call["arguments"] += delta.function.arguments or ""
+    assert finish == "tool_calls" and pieces > 2 * len(calls)  # arguments came in pieces, as generated
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+def test_tool_choice_auto_reads_calls_from_the_text_and_none_hides_the_tools(served, openai_client):
+    import json
+
+    # auto: whatever the model writes is read; a regex makes it write one call, so the reading is tested
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    out = openai_client.chat.completions.create(
+        model="SmolLM2-135M-Instruct-Q4_1", messages=WEATHER, tools=TOOLS, max_tokens=60, temperature=0,
+        extra_body={"guided_regex": "Checking\\. " + call.replace("{", "\\{").replace("}", "\\}")})
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+        [("get_weather", {"city": "Paris"})]
+    # the tools are in the prompt (the template takes none: written into the system message), not with none
+    with_tools = served.client.post("/tokenize", json={"messages": WEATHER, "tools": TOOLS}).json()["tokens"]
+    text = served.client.post("/detokenize", json={"tokens": with_tools}).json()["prompt"]
+    assert "<tools>" in text and '"name": "get_weather"' in text and "<tool_call>" in text
+    none = openai_client.chat.completions.create(model="SmolLM2-135M-Instruct-Q4_1", messages=WEATHER, tools=TOOLS,
+                                                 tool_choice="none", max_tokens=16, temperature=0)
+    plain = openai_client.chat.completions.create(model="SmolLM2-135M-Instruct-Q4_1", messages=WEATHER,
+                                                  max_tokens=16, temperature=0)
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    assert none.choices[0].message.tool_calls is None and none.usage == plain.usage
+
+
+def test_a_tool_conversation_is_rendered_and_answered(served, openai_client):
+    history = [
+        *WEATHER,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "cloudy", "celsius": 18}'},
+        {"role": "tool", "tool_call_id": "call_2", "content": "3"},
+    ]
+    ids = served.client.post("/tokenize", json={"messages": history, "tools": TOOLS}).json()["tokens"]
+    text = served.client.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert '<tool_response>\n{"sky": "cloudy", "celsius": 18}\n</tool_response>\n<tool_response>\n3\n' in text
+    out = openai_client.chat.completions.create(model="SmolLM2-135M-Instruct-Q4_1", messages=history, tools=TOOLS,
+                                                max_tokens=24, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+])
+def test_tool_requests_that_cannot_be_served_get_400(served, body, param):
+    r = served.client.post("/v1/chat/completions", json={"messages": WEATHER, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"

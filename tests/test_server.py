@@ -355,12 +355,11 @@ def test_tokenize_and_detokenize_in_tgi_and_vllm_shapes(served):
     assert server.client.post("/detokenize", json={"tokens": [10**9]}).status_code == 422
 
 
-def test_tools_are_refused_not_ignored(served):
-    """Tool calling is not served yet: a request that asks for it gets 400 naming it, not free text."""
+def test_output_constraints_that_cannot_be_served_get_400(served):
+    """(Tool requests: tests/test_real_weights.py.)"""
     server, _, _ = served
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    for extra, words in [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool calling"),
-                         ({"tool_choice": "required"}, "tool_choice"),
+    for extra, words in [({"tool_choice": "required"}, "tool_choice"),
                          ({"guided_regex": "a+", "guided_choice": ["x"]}, "at most one"),
                          ({"response_format": {"type": "xml"}}, "response_format")]:
         r = server.client.post("/v1/chat/completions", json={**chat, **extra})

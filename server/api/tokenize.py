@@ -9,17 +9,52 @@ request would be) answers ``{count, max_model_len, tokens}``. Bad bodies get eac
 from __future__ import annotations
 
 from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict
 
 from server.errors import InputValidationError, UnavailableError
 from server.generation import check_token_ids
-from server.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeRequest,
-    TokenSpan,
-    VLLMTokenizeResponse,
-)
 from server.state import ServerState
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` as TGI takes it (``inputs``) or as vLLM does (``prompt``, or ``messages``
+    with the chat template)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: str | None = None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None  # vLLM's: rendered with the messages, as a chat request's are
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    model: str | None = None
+
+
+class TokenSpan(BaseModel):
+    """TGI's ``/tokenize`` answer, one per token: its id, its text and where it lies in the input."""
+
+    id: int
+    text: str
+    start: int
+    stop: int
+
+
+class VLLMTokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 def build_tokenize_router(state: ServerState) -> APIRouter:
@@ -43,14 +78,14 @@ def build_tokenize_router(state: ServerState) -> APIRouter:
         if body.prompt is not None:
             ids = tok(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
         else:
-            from server.openai_api import chat_prompt_ids
-            from server.openai_protocol import ChatCompletionRequest
+            from server.api.openai.protocol import ChatCompletionRequest
+            from server.api.openai.router import chat_renderer
 
             try:
-                request = ChatCompletionRequest.model_validate({"messages": body.messages})
+                request = ChatCompletionRequest.model_validate({"messages": body.messages, "tools": body.tools})
             except ValueError as e:
                 raise InputValidationError(f"messages: {e}", param="messages") from e
-            ids = chat_prompt_ids(state, request, add_generation_prompt=body.add_generation_prompt)
+            ids = chat_renderer(state).prompt_ids(request, add_generation_prompt=body.add_generation_prompt)
         limit = state.limits.max_total_tokens if state.limits else None
         return VLLMTokenizeResponse(count=len(ids), max_model_len=limit or 0, tokens=ids)
 

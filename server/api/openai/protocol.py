@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-from server.protocol import MAX_STOP_SEQUENCES
+from server.generation import MAX_STOP_SEQUENCES
 
 MAX_TOP_LOGPROBS = 5
 MAX_CHOICES = 16
@@ -145,11 +145,25 @@ class CompletionRequest(_SamplingFields):
         return self.prompt
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, description="an assistant's calls")
+    tool_call_id: str | None = Field(default=None, description="a tool message: the call it answers")
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: only text parts are served
@@ -162,30 +176,83 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict | None = Field(default=None, description="a JSON schema of the arguments object")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    # Declared so that asking for them is an error, not silently ignored: tool calling is not served yet
-    tools: list | None = None
-    tool_choice: object | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="default: auto with tools, none without")
+    parallel_tool_calls: bool = True
+    # OpenAI's deprecated forerunners of tools: refused with a pointer rather than ignored
     functions: list | None = None
     function_call: object | None = None
 
-    @field_validator("tools", "functions", "function_call")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tools(cls, value):
+    def _no_functions(cls, value):
         if value:
-            raise ValueError("tool calling is not served yet")
+            raise ValueError("functions and function_call are OpenAI's deprecated forms: send tools and tool_choice")
         return value
 
-    @field_validator("tool_choice")
+    @field_validator("tools")
     @classmethod
-    def _no_tool_choice(cls, value):
-        if value not in (None, "none"):
-            raise ValueError("tool calling is not served yet (tool_choice other than 'none')")
+    def _unique_tools(cls, value):
+        names = [t.function.name for t in value or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: function names must be unique")
         return value
+
+    def check_tool_choice(self) -> None:
+        """Raise ValueError where tool_choice asks for a call the tools cannot give."""
+        choice = self.tool_choice
+        if (choice == "required" or isinstance(choice, NamedToolChoice)) and not self.tools:
+            raise ValueError(f"tool_choice {self.tool_choice_kind!r} needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+
+    @property
+    def tool_choice_kind(self) -> str:
+        """none, auto, required or named."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def offered_tools(self) -> list[Tool]:
+        """The tools the model is shown: none with tool_choice none, only the named one when one is named."""
+        kind = self.tool_choice_kind
+        if kind == "none":
+            return []
+        if kind == "named":
+            return [t for t in self.tools if t.function.name == self.tool_choice.function.name]
+        return list(self.tools or ())
 
 
 class Usage(BaseModel):
@@ -204,3 +271,111 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# --- responses ------------------------------------------------------------------------------------
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class _DropNone(BaseModel):
+    """Serialized without its unset (None) fields, as OpenAI's stream deltas are."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, and (``object`` ``text_completion`` too) each streamed chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ResponseMessage
+    finish_reason: FinishReason
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaFunctionCall(_DropNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DropNone):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(_DropNone):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    finish_reason: FinishReason | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None

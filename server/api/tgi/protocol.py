@@ -6,10 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from server.generation import MAX_STOP_SEQUENCES
+
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
-MAX_STOP_SEQUENCES = 16
-
-
 MAX_TOP_N_TOKENS = 5
 
 
@@ -122,46 +121,6 @@ class StreamResponse(BaseModel):
     top_tokens: list[Token] | None = None
     generated_text: str | None = None
     details: StreamDetails | None = None
-
-
-class TokenizeRequest(BaseModel):
-    """``POST /tokenize`` as TGI takes it (``inputs``) or as vLLM does (``prompt``, or ``messages``
-    with the chat template)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    inputs: str | None = None
-    prompt: str | None = None
-    messages: list[dict] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    model: str | None = None
-
-
-class TokenSpan(BaseModel):
-    """TGI's ``/tokenize`` answer, one per token: its id, its text and where it lies in the input."""
-
-    id: int
-    text: str
-    start: int
-    stop: int
-
-
-class VLLMTokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tokens: list[int]
-    model: str | None = None
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
 
 
 class ErrorResponse(BaseModel):

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.errors import GenerationError, error_body
 from server.generation import RequestStream, check_admission, compile_grammar
-from server.protocol import (
+from server.api.tgi.protocol import (
     CompatGenerateRequest,
     Details,
     GenerateRequest,

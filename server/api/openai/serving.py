@@ -1,0 +1,198 @@
+"""What the OpenAI routes share: sampling settings from a request, model names, the choices' streams,
+and text deltas that never show a stop sequence.
+
+Semantics follow OpenAI's: ``temperature`` defaults to 1 (sampling) and 0 means greedy; the text
+returned stops before a stop sequence. As in vLLM, sampling settings a request leaves unset
+(``temperature``, ``top_p`` and the extra ``top_k``, ``min_p``, ``repetition_penalty``) take the
+checkpoint's generation_config.json values first. A request's ``model`` must be a served name (or
+absent): else 404 ``model_not_found``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from fastapi import Request
+
+from server.api.openai.protocol import Usage
+from server.engine.sampling import SamplingParams
+from server.engine.scheduler import TokenEvent
+from server.errors import InputValidationError, ModelNotFoundError
+from server.generation import RequestStream, check_token_ids, compile_grammar
+from server.state import ServerState
+
+
+def _grammar(state: ServerState, req, tool_grammar: str | None) -> str | None:
+    try:
+        asked = req.structured_output()
+    except ValueError as e:
+        raise InputValidationError(str(e), param="response_format") from e
+    if asked and tool_grammar is not None:
+        raise InputValidationError(f"{asked[2]} and tool_choice required or named both constrain the output: "
+                                   f"give one", param=asked[2])
+    return compile_grammar(state, *asked) if asked else tool_grammar
+
+
+def sampling_params(state: ServerState, req, max_new_tokens: int, top_logprobs: int,
+                    tool_grammar: str | None = None) -> SamplingParams:
+    """The request's sampling settings; those it leaves unset come from the checkpoint's generation
+    config (``state.sampling_defaults``), then OpenAI's (temperature 1, nothing else). Token ids
+    (``logit_bias``, ``stop_token_ids``) must lie in the vocabulary; structured output (or the
+    ``tool_grammar`` of ``tool_choice`` required or named) becomes a grammar."""
+    vocab = len(state.tokenizer)
+    check_token_ids([int(k) for k in req.logit_bias or {}], vocab, "logit_bias")
+    check_token_ids(req.stop_token_ids or (), vocab, "stop_token_ids")
+
+    def setting(name: str):
+        value = getattr(req, name)
+        return state.sampling_defaults.get(name) if value is None else value
+
+    temperature = setting("temperature")
+    temperature = 1.0 if temperature is None else temperature
+    greedy = temperature == 0.0
+    top_p, top_k, min_p = setting("top_p"), setting("top_k"), setting("min_p")
+    penalty = setting("repetition_penalty")
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        do_sample=not greedy,
+        temperature=None if greedy else temperature,
+        top_p=None if greedy or top_p is None or top_p >= 1.0 else top_p,
+        top_k=None if greedy or not top_k or top_k < 1 else top_k,
+        min_p=None if greedy or not min_p else min_p,
+        repetition_penalty=None if penalty is None or penalty == 1.0 else penalty,
+        seed=req.seed,
+        top_logprobs=top_logprobs,
+        presence_penalty=req.presence_penalty or None,
+        frequency_penalty=req.frequency_penalty or None,
+        logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        grammar=_grammar(state, req, tool_grammar),
+    )
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    """A request naming a model this server does not serve is answered 404, as OpenAI does."""
+    if model is not None and model not in state.model_names:
+        raise ModelNotFoundError(f"The model `{model}` does not exist. Served: {', '.join(state.model_names)}",
+                                 param="model")
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    cuts = [text.find(s) for s in stops if s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` that may still become a stop sequence."""
+    keep = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), keep, -1):
+            if stop.startswith(text[-n:]):
+                keep = n
+                break
+    return keep
+
+
+class TextDeltas:
+    """Streamed text never shows a stop sequence, nor the part of one that may still complete.
+    Only what is held back is looked at again: the cost per token does not grow with the text."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.held = stops, ""
+
+    def next(self, event: TokenEvent) -> str:
+        held = self.held + event.text
+        visible = cut_at_stop(held, self.stops)
+        if len(visible) < len(held):  # a stop sequence: nothing after it is shown
+            self.held = ""
+            return visible
+        keep = 0 if event.finish is not None else _held_back(held, self.stops)
+        self.held = held[len(held) - keep:] if keep else ""
+        return held[: len(held) - keep]
+
+
+def finish_reason(event: TokenEvent) -> str:
+    return "length" if event.finish == "length" else "stop"
+
+
+def usage(streams: list[RequestStream], n: int) -> Usage:
+    """Prompt tokens once per prompt (its ``n`` choices share it), completion tokens of every choice."""
+    prompt = sum(len(s.handle.prompt_ids) for s in streams[::n])
+    completion = sum(s.num_tokens for s in streams)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def open_streams(state: ServerState, prompts: list[list[int]], params: SamplingParams, req) -> list[RequestStream]:
+    """``req.n`` streams per prompt, choice ``i * n + j``; a seeded request's choice j samples with
+    seed + j, so its choices differ and each replays. All or none are submitted."""
+    streams: list[RequestStream] = []
+    try:
+        for ids in prompts:
+            for j in range(req.n):
+                choice_params = params if j == 0 or params.seed is None else replace(params, seed=params.seed + j)
+                streams.append(RequestStream(state, ids, choice_params, req.stop_list))
+    except BaseException:
+        for stream in streams:
+            state.scheduler.cancel(stream.handle)
+        raise
+    return streams
+
+
+async def collect_all(streams: list[RequestStream], request: Request) -> list[list[TokenEvent]]:
+    """Every choice's events; a client that disconnects first cancels them all."""
+    collected: list[list[TokenEvent]] = [[] for _ in streams]
+
+    async def consume(i: int) -> None:
+        async for event in streams[i].events():
+            collected[i].append(event)
+
+    async def watch_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    consumers = [asyncio.ensure_future(consume(i)) for i in range(len(streams))]
+    watcher = asyncio.ensure_future(watch_disconnect())
+    try:
+        done = asyncio.ensure_future(asyncio.gather(*consumers))
+        await asyncio.wait({done, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            raise asyncio.CancelledError("client disconnected")
+        done.result()  # re-raise a generation error
+    finally:
+        watcher.cancel()
+        for consumer in consumers:
+            if not consumer.done():
+                consumer.cancel()  # its events() finally cancels the sequence
+    return collected
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """(choice index, event) of every stream as they come; stopping early cancels the rest."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int) -> None:
+        try:
+            async for event in streams[i].events():
+                await queue.put((i, event))
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            await queue.put((i, e))
+        await queue.put((i, end))
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()

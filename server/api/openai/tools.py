@@ -1,0 +1,290 @@
+"""Tool-call formats: how tools are shown to a model, how its calls are forced, how they are read.
+
+A :class:`ToolCallFormat` is one model family's convention, named as ``--tool-call-parser`` names
+it. It gives
+
+- the system-prompt text that lists the tools, for chat templates that take no ``tools`` (the
+  default SmolLM2's), and the text form of an assistant's calls and of a tool's answer there;
+- the llguidance grammar of "one call, or several" over the declared functions, each call's
+  arguments held to that function's JSON schema (``tool_choice`` ``required`` or a named function);
+- a parser of the model's finished text into content and calls (:meth:`ToolCallFormat.parse`),
+  and a streaming one that turns text deltas into OpenAI's content and tool-call deltas
+  (:class:`StreamingToolParser`). Both read the same text the same way: the streamed deltas of a
+  call concatenate to the arguments the whole response would carry.
+
+Served: ``hermes``, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the format of
+Hermes, Qwen 2.5/3 and the models tuned on their data. A call naming a function the request did not
+declare, or whose JSON does not parse, stays text, as the model wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI carries it
+    id: str = field(default_factory=new_call_id)
+
+
+def _compact(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class ToolCallFormat:
+    """One tool-call convention (``hermes``'s; a subclass would override the texts and tags)."""
+
+    name = "hermes"
+    open_tag = "<tool_call>"
+    close_tag = "</tool_call>"
+
+    # --- the prompt, for templates that take no tools -----------------------------------------
+    def system_text(self, tools: list[dict]) -> str:
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return (
+            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{listed}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            f"{self.open_tag}{self.close_tag} XML tags:\n"
+            f'{self.open_tag}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{self.close_tag}'
+        )
+
+    def call_text(self, name: str, arguments) -> str:
+        """An assistant's call as the model would have written it (``arguments``: dict or JSON text)."""
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass  # kept as the client sent it
+        body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+        return f"{self.open_tag}\n{body}\n{self.close_tag}"
+
+    def response_text(self, content: str) -> str:
+        """A tool's answer, as a user turn of a template that knows no ``tool`` role."""
+        return f"<tool_response>\n{content}\n</tool_response>"
+
+    # --- forcing calls --------------------------------------------------------------------------
+    def grammar(self, functions: list[dict], *, several: bool) -> str:
+        """llguidance's grammar for calls only: one (or, ``several``, one or more, a newline apart),
+        each ``{"name": one of functions, "arguments": matching its parameters}``, compact."""
+        from llguidance import grammar_from
+
+        options = []
+        for fn in functions:
+            params = fn.get("parameters") or {"type": "object"}
+            options.append({
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            })
+        schema = {"anyOf": options, "x-guidance": {"whitespace_flexible": False}}
+        repeat = ' ("\\n" call)*' if several else ""
+        lark = (f"start: call{repeat}\n"
+                f"call: {json.dumps(self.open_tag + chr(10))} body {json.dumps(chr(10) + self.close_tag)}\n"
+                f"body: %json {json.dumps(schema)}\n")
+        return grammar_from("lark", lark)
+
+    # --- reading calls --------------------------------------------------------------------------
+    def read_call(self, body: str, declared: set[str]) -> tuple[str, str] | None:
+        """(name, arguments as JSON text) of one call's body, or None where it is not a call of a
+        declared function. The arguments are the body's own text where it lies ``{"name": ...,
+        "arguments": {...}}`` in that order (what streaming sends), else re-serialized."""
+        try:
+            call = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or call.get("name") not in declared:
+            return None
+        args = call.get("arguments", call.get("parameters", {}))
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            return call["name"], args
+        head = _NAME_FIRST.match(body)
+        if head is not None and body[head.end():].lstrip().startswith("{"):
+            raw = _args_of(body[head.end():])
+            if raw is not None and _loads(raw) == args:
+                return call["name"], raw
+        return call["name"], json.dumps(args, ensure_ascii=False)
+
+    def parse(self, text: str, declared: set[str]) -> tuple[str | None, list[ToolCall]]:
+        """The finished text's content (text outside the calls, None when empty) and its calls.
+        Where there are calls, the whitespace that ends a piece of content before a call, or the
+        text, is dropped. A call left open at the end (the model stopped inside it) is read to the end."""
+        calls, content, pos = [], [], 0
+        while True:
+            start = text.find(self.open_tag, pos)
+            if start < 0:
+                content.append(text[pos:])
+                break
+            end = text.find(self.close_tag, start)
+            stop = len(text) if end < 0 else end + len(self.close_tag)
+            read = self.read_call(text[start + len(self.open_tag):len(text) if end < 0 else end], declared)
+            if read is None:  # not a call: text, as written
+                content.append(text[pos:stop])
+            else:
+                content.append(text[pos:start].rstrip())
+                calls.append(ToolCall(*read))
+            pos = stop
+            if end < 0:
+                break
+        if calls:
+            content[-1] = content[-1].rstrip()
+        return ("".join(content) or None), calls
+
+
+# {"name": "f", "arguments": : the head of a call whose arguments can be streamed as they come
+_NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_OUTER_END = re.compile(r"\s*\}?\s*$")
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _args_of(rest: str) -> str | None:
+    """The arguments' text in the rest of a call body after its head: up to the outer ``}``."""
+    rest = rest.strip()
+    if not rest.endswith("}"):
+        return None
+    return rest[:-1].rstrip()
+
+
+FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (ToolCallFormat(),)}
+"""``--tool-call-parser`` names and their formats."""
+
+
+@dataclass
+class ToolDelta:
+    """One streamed piece: content text, or a piece of call ``index`` (its id and name come once,
+    with its first piece)."""
+
+    content: str | None = None
+    index: int | None = None
+    id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+
+class StreamingToolParser:
+    """Text deltas in, content and tool-call deltas out, read as :meth:`ToolCallFormat.parse`
+    reads the whole text, so the deltas add up to the whole response's content and calls. Text
+    that may begin a call tag, and whitespace that may end a piece of content, are held back; a
+    call's arguments are streamed as they come once its head (``{"name": "f", "arguments": ``)
+    names a declared function, all but what may still be the call's closing brace.
+
+    One case differs from the whole response: a call whose head was streamed but whose JSON then
+    does not parse (a model stopped by ``max_tokens`` inside it): its text also follows as content."""
+
+    def __init__(self, fmt: ToolCallFormat, declared: set[str]):
+        self.fmt, self.declared = fmt, declared
+        self.buffer = ""  # text received, not yet handed out
+        self.held_space = ""  # whitespace that ended the content so far
+        self.in_call = False
+        self.calls: list[ToolCall] = []
+        self.open_call: ToolCall | None = None  # the call whose head has been sent
+        self.args_start: int | None = None  # where its arguments begin in the buffer (-1: not streamable)
+        self.sent_args = 0
+
+    def feed(self, text: str, final: bool = False) -> list[ToolDelta]:
+        """The deltas ``text`` completes; ``final``: the text has ended, hand out everything."""
+        self.buffer += text
+        out: list[ToolDelta] = []
+        while True:
+            if not self.in_call:
+                start = self.buffer.find(self.fmt.open_tag)
+                if start < 0:
+                    keep = 0 if final else _partial_tag(self.buffer, self.fmt.open_tag)
+                    self._content(out, self.buffer[: len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    if final and not self.calls and self.held_space:
+                        out.append(ToolDelta(content=self.held_space))
+                        self.held_space = ""
+                    return out
+                self._content(out, self.buffer[:start])
+                self.buffer = self.buffer[start + len(self.fmt.open_tag):]
+                self.in_call, self.open_call, self.args_start, self.sent_args = True, None, None, 0
+                continue
+            end = self.buffer.find(self.fmt.close_tag)
+            if end < 0 and not final:
+                self._stream_args(out)
+                return out
+            body = self.buffer if end < 0 else self.buffer[:end]
+            self._close_call(out, body, closed=end >= 0)
+            self.buffer = "" if end < 0 else self.buffer[end + len(self.fmt.close_tag):]
+            self.in_call = False
+
+    def _content(self, out: list[ToolDelta], text: str) -> None:
+        if not text:
+            return
+        body = text.rstrip()
+        if body:
+            out.append(ToolDelta(content=self.held_space + body))
+            self.held_space = ""
+        self.held_space += text[len(body):]
+
+    def _stream_args(self, out: list[ToolDelta]) -> None:
+        if self.args_start is None:
+            head = _NAME_FIRST.match(self.buffer)
+            if head is None:
+                return
+            rest = self.buffer[head.end():]
+            if not rest.strip():
+                return  # what follows the head decides
+            name = json.loads(f'"{head.group(1)}"')
+            if name not in self.declared or not rest.lstrip().startswith("{"):
+                self.args_start = -1  # sent whole when it closes
+                return
+            self.args_start = head.end() + len(rest) - len(rest.lstrip())
+            self.open_call = ToolCall(name, "")
+            self.held_space = ""  # content's trailing whitespace before a call is dropped
+            out.append(ToolDelta(index=len(self.calls), id=self.open_call.id, name=name, arguments=""))
+        if self.args_start < 0:
+            return
+        rest = self.buffer[self.args_start:]
+        rest = rest[: len(rest) - _partial_tag(rest, self.fmt.close_tag)]
+        certain = rest[: _OUTER_END.search(rest).start()]
+        if len(certain) > self.sent_args:
+            out.append(ToolDelta(index=len(self.calls), arguments=certain[self.sent_args:]))
+            self.sent_args = len(certain)
+
+    def _close_call(self, out: list[ToolDelta], body: str, closed: bool) -> None:
+        read = self.fmt.read_call(body, self.declared)
+        if read is None:  # text after all, as parse() reads it
+            if self.open_call is not None:
+                self.calls.append(self.open_call)  # announced already: it stays, as sent
+            self._content(out, self.fmt.open_tag + body + (self.fmt.close_tag if closed else ""))
+            return
+        name, arguments = read
+        self.held_space = ""
+        call = self.open_call
+        if call is None:
+            call = ToolCall(name, arguments)
+            out.append(ToolDelta(index=len(self.calls), id=call.id, name=name, arguments=arguments))
+        else:
+            sent = body[self.args_start:self.args_start + self.sent_args]
+            rest = arguments[len(sent):] if arguments.startswith(sent) else ""
+            if rest:
+                out.append(ToolDelta(index=len(self.calls), arguments=rest))
+            call.arguments = arguments
+        self.calls.append(call)
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Characters at the end of ``text`` that may be the start of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0

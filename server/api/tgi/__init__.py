@@ -1,0 +1,1 @@
+"""text-generation-inference's API: ``protocol`` (every parameter TGI documents), ``router``."""
