@@ -151,30 +151,6 @@ class RequestStream:
                 self.state.metrics.failures.labels("cancelled").inc()
                 scheduler.cancel(self.handle)  # the client went away: freed on its rank next step
 
-    async def collect(self, request) -> list[TokenEvent]:
-        """All events of a non-streamed request; a client that disconnects first cancels it."""
-        collected: list[TokenEvent] = []
-
-        async def consume() -> None:
-            async for event in self.events():
-                collected.append(event)
-
-        async def watch_disconnect() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        consumer = asyncio.ensure_future(consume())
-        watcher = asyncio.ensure_future(watch_disconnect())
-        try:
-            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not consumer.done():
-                consumer.cancel()  # its events() finally cancels the sequence
-                raise asyncio.CancelledError("client disconnected")
-        consumer.result()  # re-raise a generation error
-        return collected
-
     def timing_headers(self, validation_s: float) -> dict[str, str]:
         """text-generation-inference's per-request timing headers (milliseconds)."""
         h = self.handle
@@ -192,3 +168,31 @@ class RequestStream:
             "x-prompt-tokens": str(len(h.prompt_ids)),
             "x-generated-tokens": str(self.num_tokens),
         }
+
+
+async def collect_all(streams: list[RequestStream], request) -> list[list[TokenEvent]]:
+    """Every stream's events (a request's choices, or best_of sequences); a client that disconnects first cancels them all."""
+    collected: list[list[TokenEvent]] = [[] for _ in streams]
+
+    async def consume(i: int) -> None:
+        async for event in streams[i].events():
+            collected[i].append(event)
+
+    async def watch_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    consumers = [asyncio.ensure_future(consume(i)) for i in range(len(streams))]
+    watcher = asyncio.ensure_future(watch_disconnect())
+    try:
+        done = asyncio.ensure_future(asyncio.gather(*consumers))
+        await asyncio.wait({done, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            raise asyncio.CancelledError("client disconnected")
+        done.result()  # re-raise a generation error
+    finally:
+        watcher.cancel()
+        for consumer in consumers:
+            if not consumer.done():
+                consumer.cancel()  # its events() finally cancels the sequence
+    return collected

@@ -32,7 +32,6 @@ import ctypes
 import ctypes.util
 import functools
 
-import torch
 from torch import nn
 
 

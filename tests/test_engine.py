@@ -71,6 +71,8 @@ class Harness:
             else:
                 out["tokens"].append(event.id)
                 out["finish"] = event.finish
+                if event.prompt_logprobs is not None:
+                    out["prompt_logprobs"] = event.prompt_logprobs
 
         self.scheduler.submit(RequestHandle(prompt, SamplingParams(max_new_tokens=max_new_tokens, **params),
                                             deliver=deliver))
@@ -132,6 +134,38 @@ def test_prefix_hits_are_used_and_exact(model_and_reference):
     h.run(_all_done([again]))
     assert pool.hits - before == (len(prompts[0]) - 1) // 4 * 4
     assert again["tokens"] == first["tokens"]
+
+
+def _prompt_scores(model, prompt: list[int], k: int):
+    """transformers' log-softmax over the prompt: (logprob of token i, top k) for i >= 1."""
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    chosen = lp[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    top = lp[:-1].topk(k, dim=-1) if k else None
+    return chosen, top
+
+
+def test_prompt_logprobs_over_chunks_ranks_cached_prefixes_and_preemption(model_and_reference):
+    model, reference = model_and_reference
+    shared = _prompts(1, [20], seed=11)[0]
+    prompts = _prompts(4, [19, 7, 26, 3], seed=12, shared=shared)
+    # small pools and budget: chunked prompts, two ranks, preemptions; the shared prefix cached
+    h = Harness(model, ranks=2, blocks=20, block_size=4, prefill=9)
+    warm = h.submit(shared + [5, 6, 7], 2)
+    h.run(_all_done([warm]))
+    outs = [h.submit(p, 14, prompt_logprobs=2) for p in prompts]
+    h.run(_all_done(outs))
+    assert h.scheduler.preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out["tokens"] == reference(prompt, 14) and out["error"] is None
+        scores = out["prompt_logprobs"]
+        chosen, top = _prompt_scores(model, prompt, 2)
+        assert len(scores) == len(prompt) - 1 and all(s is not None for s in scores)
+        torch.testing.assert_close(torch.tensor([lp for lp, _ in scores]), chosen, atol=1e-4, rtol=0)
+        assert [[t for t, _ in alts] for _, alts in scores] == top.indices.tolist()
+    plain = h.submit(prompts[0], 2)  # not asking: no scores, and the prefix cache serves it
+    h.run(_all_done([plain]))
+    assert "prompt_logprobs" not in plain
 
 
 def test_preemption_recomputes_and_stays_exact(model_and_reference):

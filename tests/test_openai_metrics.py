@@ -204,3 +204,57 @@ def test_oversized_body_gets_413(served):
     r = server.client.post("/v1/completions", json={"prompt": "y" * (1024 * 1024 + 10)})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert server.client.post("/generate", json={"inputs": "ok", "parameters": {"max_new_tokens": 2}}).status_code == 200
+
+
+def _prompt_logprobs(path, prompt_ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0], dim=-1)
+    return lp[:-1].gather(1, torch.tensor(prompt_ids[1:])[:, None])[:, 0].tolist()
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_harnesses_ask(served, openai_client):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, one new token."""
+    server, path = served
+    ids = tokenizer()(PROMPT + " jumps over the lazy dog").input_ids
+    expected = _prompt_logprobs(path, ids)
+    out = openai_client.completions.create(model="m", prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=1e-4)
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert out.choices[0].text.startswith(tokenizer().decode(ids))
+    streamed = list(openai_client.completions.create(model="m", prompt=ids, max_tokens=1, temperature=0, echo=True,
+                                                     logprobs=2, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+    assert streamed[0].choices[0].logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+
+
+def test_tgi_decoder_input_details_and_best_of(served):
+    server, path = served
+    ids = tokenizer()(PROMPT).input_ids
+    r = server.client.post("/generate", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 4, "details": True, "decoder_input_details": True}})
+    assert r.status_code == 200, r.text
+    prefill = r.json()["details"]["prefill"]
+    assert [t["id"] for t in prefill] == ids and prefill[0]["logprob"] is None
+    assert [t["logprob"] for t in prefill[1:]] == pytest.approx(_prompt_logprobs(path, ids), abs=1e-4)
+    best = server.client.post("/generate", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 6, "details": True, "best_of": 3, "do_sample": True, "seed": 4}})
+    assert best.status_code == 200, best.text
+    details = best.json()["details"]
+    others = details["best_of_sequences"]
+    assert len(others) == 2 and {details["seed"], *(o["seed"] for o in others)} == {4, 5, 6}
+    likeliest = sum(t["logprob"] for t in details["tokens"])
+    assert all(likeliest >= sum(t["logprob"] for t in o["tokens"]) for o in others)
+    again = server.client.post("/generate", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 6, "details": True, "best_of": 3, "do_sample": True, "seed": 4}})
+    assert again.json() == best.json()  # seeded: seeds 4, 5, 6 replay
+    for parameters, path_, param in [({"best_of": 2}, "/generate", "best_of"),  # greedy
+                                     ({"best_of": 2, "do_sample": True}, "/generate_stream", "best_of"),
+                                     ({"decoder_input_details": True}, "/generate_stream", "decoder_input_details")]:
+        r = server.client.post(path_, json={"inputs": PROMPT, "parameters": parameters})
+        assert r.status_code == 422 and param in r.json()["error"], (parameters, r.text)

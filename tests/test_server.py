@@ -289,6 +289,10 @@ def test_tgi_official_client_works_unmodified(served, reference):
     a = client.generate(prompt, max_new_tokens=8, do_sample=True, typical_p=0.8, frequency_penalty=0.5, seed=7)
     b = client.generate(prompt, max_new_tokens=8, do_sample=True, typical_p=0.8, frequency_penalty=0.5, seed=7)
     assert [t.id for t in a.details.tokens] == [t.id for t in b.details.tokens]
+    # best_of and decoder_input_details, read by the client's own types
+    best = client.generate(prompt, max_new_tokens=4, do_sample=True, best_of=2, decoder_input_details=True)
+    assert len(best.details.best_of_sequences) == 1 and [t.id for t in best.details.prefill] == ids
+    assert best.details.prefill[0].logprob is None and all(t.logprob < 0 for t in best.details.prefill[1:])
     # what cannot be honoured is a 422 that says so
     with pytest.raises(ValidationError, match="watermark"):
         client.generate(prompt, max_new_tokens=4, watermark=True)
@@ -302,8 +306,8 @@ def test_tgi_parameters_null_means_unset(served, reference):
     out = _generate(server.client, PROMPTS[0], max_new_tokens=8, details=True, watermark=False,
                     decoder_input_details=False, **nulls)
     assert _ids(out) == reference(PROMPTS[0], 8)
-    for field, value, words in [("best_of", 2, "best_of"), ("grammar", {"type": "xml", "value": ""}, "grammar"),
-                                ("adapter_id", "lora", "adapters"), ("decoder_input_details", True, "prompt's")]:
+    for field, value, words in [("best_of", 2, "sampling"), ("grammar", {"type": "xml", "value": ""}, "grammar"),
+                                ("adapter_id", "lora", "adapters"), ("best_of", 17, "best_of")]:
         r = server.client.post("/generate", json={"inputs": PROMPTS[0], "parameters": {field: value}})
         assert r.status_code == 422 and words in r.json()["error"], (field, r.text)
 

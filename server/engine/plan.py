@@ -60,6 +60,17 @@ class TokenResult:
 
 
 @dataclass
+class PromptLogprobs:
+    """The log-probabilities of prompt tokens ``start`` .. ``start + len(logprobs) - 1`` of a
+    sequence that asked for them (``SamplingParams.prompt_logprobs``), with their alternatives."""
+
+    seq_id: int
+    start: int
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+
+
+@dataclass
 class StepResult:
     rank: int
     tokens: list[TokenResult]
@@ -68,3 +79,4 @@ class StepResult:
     tokens_computed: int  # cumulative tokens this rank ran through the model
     pid: int  # the rank's process, for operators
     memory: dict | None = None  # the rank's memory report, every few seconds (server.memory)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)

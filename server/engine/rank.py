@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from server.engine.attention import PagedKVCache, PagedLayout, use_paged_attention
-from server.engine.plan import SequenceAdd, StepPlan, StepResult, TokenResult, Work
+from server.engine.plan import PromptLogprobs, SequenceAdd, StepPlan, StepResult, TokenResult, Work
 from server.engine.sampling import BatchSampler, Row
 
 logger = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ class RankEngine:
         self.sequences_started = 0
         self.tokens_computed = 0
         self.forwards = 0
+        self._prompt_logprobs: list[PromptLogprobs] = []  # this step's, for the step's result
         self.fault_at = _injected_fault(rank)
         self.memory = None  # a server.memory.MemoryReport, reported every few seconds
         self._reported_at = 0.0
@@ -131,6 +132,7 @@ class RankEngine:
                 self.sequences[add.seq_id] = _Sequence(add)
                 self.sequences_started += 1
         tokens: list[TokenResult] = []
+        self._prompt_logprobs: list[PromptLogprobs] = []
         if plan.forward:
             self.forwards += 1
             if self.fault_at is not None and self.forwards >= self.fault_at:
@@ -144,7 +146,8 @@ class RankEngine:
             release_freed_memory()
             self._trimmed_at, self._forwards_at_trim = time.monotonic(), self.forwards
         result = StepResult(
-            self.rank, tokens, len(self.sequences), self.sequences_started, self.tokens_computed, os.getpid()
+            self.rank, tokens, len(self.sequences), self.sequences_started, self.tokens_computed, os.getpid(),
+            prompt_logprobs=self._prompt_logprobs,
         )
         if self.memory is not None and time.monotonic() - self._reported_at > MEMORY_REPORT_EVERY_S:
             self._reported_at = time.monotonic()
@@ -161,10 +164,16 @@ class RankEngine:
     @torch.no_grad()
     def _forward(self, work: list[Work]) -> list[TokenResult]:
         ids, positions, items, sample_rows, sampling = [], [], [], [], []
+        scored = []  # (seq, first row, first position, count): prompt positions whose next token is scored
         for w in work:
             seq = self.sequences[w.seq_id]
             seq.blocks += w.new_blocks
             assert w.start + w.count <= len(seq.tokens), (w, len(seq.tokens))
+            if seq.params.prompt_logprobs is not None:
+                prompt_len = len(seq.tokens) - seq.num_generated
+                end = min(w.start + w.count, prompt_len - 1)  # the last prompt position predicts a new token
+                if end > w.start:
+                    scored.append((seq, len(ids), w.start, end - w.start))
             ids += seq.tokens[w.start:w.start + w.count]
             positions += range(w.start, w.start + w.count)
             items.append((w.start, w.count, seq.blocks))
@@ -173,20 +182,23 @@ class RankEngine:
                 sampling.append(seq)
         layout = PagedLayout.build(items, self.block_size, self.device)
         self.cache.layout = layout
+        keep = sample_rows + [row + i for _, row, _, count in scored for i in range(count)]
         out = self.model(
             input_ids=torch.tensor([ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
             cache=self.cache,
             use_cache=True,
-            logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
             hsdp_paged=layout,
         )
         self.cache.layout = None
         self.tokens_computed += len(ids)
+        if scored:
+            self._score_prompts(out.logits[0, len(sample_rows):], scored)
         if not sampling:
             return []
         rows = [Row(s.params, s.tokens, s.num_generated) for s in sampling]
-        logits = out.logits[0]
+        logits = out.logits[0, :len(sample_rows)]
         masks, failed = {}, {}  # per row: the tokens its grammar allows, or why it has none
         for i, (seq, row) in enumerate(zip(sampling, rows)):
             if seq.params.grammar is not None:
@@ -218,6 +230,26 @@ class RankEngine:
             stop = seq.params.grammar is not None and self._grammars().accept(seq.seq_id, token)
             results.append(TokenResult(seq.seq_id, token, logprob, top, stop=stop))
         return results
+
+    def _score_prompts(self, logits, scored) -> None:
+        """Each scored prompt position's next token: its log-probability under the raw scores, and
+        the most likely alternatives, a slice of rows at a time (a full log-softmax of every row of
+        a long chunk at once would take chunk x vocabulary floats)."""
+        at = 0
+        for seq, _, start, count in scored:
+            targets = torch.tensor(seq.tokens[start + 1:start + 1 + count], device=logits.device)
+            k = seq.params.prompt_logprobs
+            chosen, top = [], []
+            for a in range(0, count, 64):
+                lp = torch.log_softmax(logits[at + a:at + min(count, a + 64)].float(), dim=-1)
+                chosen += lp.gather(1, targets[a:a + 64, None])[:, 0].tolist()
+                if k:
+                    values, indices = lp.topk(k, dim=-1)
+                    top += [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+                else:
+                    top += [[] for _ in range(lp.shape[0])]
+            at += count
+            self._prompt_logprobs.append(PromptLogprobs(seq.seq_id, start + 1, chosen, top))
 
     def _grammars(self):
         if self._grammar_rows is None:

@@ -45,6 +45,10 @@ class SamplingParams:
     """Go on past the end-of-sequence token, to ``max_new_tokens`` (vLLM's ``ignore_eos``)."""
     grammar: str | None = None
     """llguidance's grammar string (``server.engine.grammar.grammar_for``): only tokens it allows."""
+    prompt_logprobs: int | None = None
+    """Also return each prompt token's log-probability under the model's raw scores, with this many
+    most likely alternatives; None: not computed. Such a request takes no cached prefix (a cached
+    block's positions are not computed again, and their scores were never kept)."""
 
     @property
     def samples(self) -> bool:

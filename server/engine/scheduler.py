@@ -41,6 +41,9 @@ class TokenEvent:
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (id, logprob)
     finish: str | None = None  # length | eos_token | stop_sequence
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    """On a request's first token, where it asked for them: (logprob, alternatives) of each prompt
+    token after the first."""
     text: str = ""
     token_text: str = ""
     special: bool = False
@@ -65,6 +68,7 @@ class RequestHandle:
     num_computed: int = 0  # tokens whose keys and values are in the cache
     num_registered: int = 0  # full blocks entered in the prefix cache
     last_key: bytes = b""  # the prefix key of the last of those
+    prompt_scores: list | None = None  # (logprob, top) of prompt tokens 1.., where asked for
     done: bool = False
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
@@ -73,6 +77,8 @@ class RequestHandle:
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_scores = [None] * (len(self.prompt_ids) - 1)
 
     @property
     def generated(self) -> list[int]:
@@ -301,6 +307,8 @@ class Scheduler:
             handle = self._waiting[0]
             tokens = handle.tokens
             usable = (len(tokens) - 1) // self.block_size  # the last token is always computed
+            if handle.params.prompt_logprobs is not None:
+                usable = 0  # every prompt position is computed, to be scored
             keys = chain_hashes(tokens[: usable * self.block_size], self.block_size)
             placed = self._place(len(tokens), keys, budget)
             if placed is None:
@@ -368,6 +376,11 @@ class Scheduler:
             self.rank_stats[result.rank] = result
             if result.memory is not None:
                 self.rank_memory[result.rank] = result.memory
+            for scores in result.prompt_logprobs:
+                handle = self._running.get(scores.seq_id)
+                if handle is not None and handle.prompt_scores is not None:  # (a recomputation: the same again)
+                    at = scores.start - 1
+                    handle.prompt_scores[at:at + len(scores.logprobs)] = list(zip(scores.logprobs, scores.top))
             for token in result.tokens:
                 handle = self._running.get(token.seq_id)
                 if handle is None or handle.done:
@@ -416,7 +429,10 @@ class Scheduler:
         if reason is not None:
             self._close(handle)
             self._to_remove.append(handle)  # freed on its rank at the next step
-        handle.deliver(TokenEvent(token_id, result.logprob, result.top, reason))
+        event = TokenEvent(token_id, result.logprob, result.top, reason)
+        if handle.prompt_scores is not None and handle.num_generated == 1:
+            event.prompt_logprobs = handle.prompt_scores
+        handle.deliver(event)
 
     def observe_step(self, *, step_s: float, control_s: float) -> None:
         """Rank 0's timing of one step with a forward: its own engine step, and the time spent in

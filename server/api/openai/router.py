@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -40,7 +41,6 @@ from server.api.openai.protocol import (
 from server.api.openai.serving import (
     TextDeltas,
     check_model,
-    collect_all,
     cut_at_stop,
     finish_reason,
     merged,
@@ -51,7 +51,7 @@ from server.api.openai.serving import (
 from server.api.openai.tools import StreamingToolParser
 from server.engine.scheduler import TokenEvent
 from server.errors import GenerationError, InputValidationError, UnavailableError, error_body
-from server.generation import RequestStream, check_admission, check_token_ids
+from server.generation import RequestStream, check_admission, check_token_ids, collect_all
 from server.state import ServerState
 
 
@@ -106,29 +106,59 @@ def build_openai_router(state: ServerState) -> APIRouter:
                 check_token_ids(prompt, len(state.tokenizer), "prompt")
                 prompts.append(list(prompt))
         max_new = min(check_admission(state, ids, req.max_tokens or 16) for ids in prompts)
-        streams = open_streams(state, prompts, sampling_params(state, req, max_new, req.logprobs or 0), req)
+        scored = req.echo and req.logprobs is not None  # echo + logprobs: the prompt's too, as harnesses ask
+        params = sampling_params(state, req, max_new, req.logprobs or 0)
+        if scored:
+            params = replace(params, prompt_logprobs=req.logprobs)
+        streams = open_streams(state, prompts, params, req)
         texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in req.prompts]
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        decode = state.tokenizer.decode
+        offsets = [0] * len(streams)  # text_offset: characters of each choice's text so far
 
-        def logprobs_of(events: list[TokenEvent]) -> CompletionLogprobs | None:
+        def logprobs_of(i: int, events: list[TokenEvent], echoed: bool = False) -> CompletionLogprobs | None:
+            """Choice ``i``'s logprobs of ``events``' tokens, or with ``echoed`` of its prompt's
+            tokens (the first has none; the others from the first event, where they were asked for)."""
             if req.logprobs is None:
                 return None
-            decode = state.tokenizer.decode
-            return CompletionLogprobs(
-                tokens=[e.token_text for e in events], token_logprobs=[e.logprob for e in events],
-                top_logprobs=[{decode([t]): lp for t, lp in e.top} for e in events], text_offset=[])
+            if echoed:
+                ids = prompts[i // req.n]
+                scores = (events[0].prompt_logprobs if scored and events else None) or [(None, None)] * (len(ids) - 1)
+                tokens = [decode([t]) for t in ids]
+                chosen = [None] + [lp for lp, _ in scores]
+                tops = [None] + [None if top is None else {decode([t]): v for t, v in top} for _, top in scores]
+            else:
+                tokens = [e.token_text for e in events]
+                chosen = [e.logprob for e in events]
+                tops = [{decode([t]): lp for t, lp in e.top} for e in events]
+            text_offset = []
+            for token in tokens:
+                text_offset.append(offsets[i])
+                offsets[i] += len(token)
+            return CompletionLogprobs(tokens=tokens, token_logprobs=chosen, top_logprobs=tops,
+                                      text_offset=text_offset)
+
+        def joined(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> CompletionLogprobs | None:
+            if a is None or b is None:
+                return a or b
+            return CompletionLogprobs(**{k: getattr(a, k) + getattr(b, k) for k in CompletionLogprobs.model_fields})
 
         def response(choices, usage_=None) -> CompletionResponse:
             return CompletionResponse(id=rid, created=now, model=state.model_name, choices=choices, usage=usage_)
 
         async def chunks() -> AsyncIterator[str]:
             deltas = [TextDeltas(req.stop_list) for _ in streams]
+            started = [False] * len(streams)
             async for i, event in merged(streams):
+                if req.echo and not started[i]:  # the prompt first, with its scores where asked
+                    started[i] = True
+                    yield _sse(response([CompletionChoice(index=i, text=texts[i // req.n],
+                                                          logprobs=logprobs_of(i, [event], echoed=True))]))
                 finish = finish_reason(event) if event.finish is not None else None
                 text = deltas[i].next(event)
                 if text or finish:
                     yield _sse(response([CompletionChoice(index=i, text=text, finish_reason=finish,
-                                                          logprobs=logprobs_of([event]))]))
+                                                          logprobs=logprobs_of(i, [event]))]))
             if include_usage(req):
                 yield _sse(response([], usage(streams, req.n)))
 
@@ -138,7 +168,9 @@ def build_openai_router(state: ServerState) -> APIRouter:
                 text = cut_at_stop(stream.text, req.stop_list)
                 choices.append(CompletionChoice(
                     index=i, text=texts[i // req.n] + text if req.echo else text,
-                    finish_reason=finish_reason(events[i][-1]), logprobs=logprobs_of(events[i])))
+                    finish_reason=finish_reason(events[i][-1]),
+                    logprobs=joined(logprobs_of(i, events[i], echoed=True) if req.echo else None,
+                                    logprobs_of(i, events[i]))))
             return response(choices, usage(streams, req.n))
 
         return await stream_or_collect(streams, req, request, chunks, respond)

@@ -14,8 +14,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from fastapi import Request
-
 from server.api.openai.protocol import Usage
 from server.engine.sampling import SamplingParams
 from server.engine.scheduler import TokenEvent
@@ -139,34 +137,6 @@ def open_streams(state: ServerState, prompts: list[list[int]], params: SamplingP
             state.scheduler.cancel(stream.handle)
         raise
     return streams
-
-
-async def collect_all(streams: list[RequestStream], request: Request) -> list[list[TokenEvent]]:
-    """Every choice's events; a client that disconnects first cancels them all."""
-    collected: list[list[TokenEvent]] = [[] for _ in streams]
-
-    async def consume(i: int) -> None:
-        async for event in streams[i].events():
-            collected[i].append(event)
-
-    async def watch_disconnect() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    consumers = [asyncio.ensure_future(consume(i)) for i in range(len(streams))]
-    watcher = asyncio.ensure_future(watch_disconnect())
-    try:
-        done = asyncio.ensure_future(asyncio.gather(*consumers))
-        await asyncio.wait({done, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not done.done():
-            raise asyncio.CancelledError("client disconnected")
-        done.result()  # re-raise a generation error
-    finally:
-        watcher.cancel()
-        for consumer in consumers:
-            if not consumer.done():
-                consumer.cancel()  # its events() finally cancels the sequence
-    return collected
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, TokenEvent]]:

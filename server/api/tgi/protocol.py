@@ -10,6 +10,7 @@ from server.generation import MAX_STOP_SEQUENCES
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 MAX_TOP_N_TOKENS = 5
+MAX_BEST_OF = 16
 
 
 class GenerateParameters(BaseModel):
@@ -35,7 +36,8 @@ class GenerateParameters(BaseModel):
     decoder_input_details: bool = False
     top_n_tokens: int | None = Field(default=None, ge=0, le=MAX_TOP_N_TOKENS)
     truncate: int | None = Field(default=None, ge=1, description="keep only the last N tokens of the input")
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_BEST_OF,
+                                description="sample this many and answer the likeliest (not streamed)")
     watermark: bool = False
     grammar: dict | None = None
     adapter_id: str | None = None
@@ -61,22 +63,25 @@ class GenerateParameters(BaseModel):
             raise ValueError('grammar is {"type": "json", "value": schema} or {"type": "regex", "value": pattern}')
         return value
 
-    @field_validator("watermark", "adapter_id", "best_of", "decoder_input_details")
+    @field_validator("watermark", "adapter_id")
     @classmethod
     def _not_served(cls, value, info):
-        unset = value is None or value is False or (info.field_name == "best_of" and value == 1)
-        if not unset:
+        if value is not None and value is not False:
             raise ValueError(NOT_SERVED[info.field_name])
         return value
+
+    @property
+    def samples(self) -> bool:
+        """TGI's rule: sampling when asked, or when a warper is set."""
+        return self.do_sample or any(v is not None for v in (self.temperature, self.top_k, self.top_p,
+                                                              self.typical_p))
 
 
 NOT_SERVED = {
     "watermark": "watermarking is not implemented by this server",
     "adapter_id": "adapters (LoRA) are not served: one model without adapters is loaded",
-    "best_of": "best_of > 1 is not implemented by this server",
-    "decoder_input_details": "decoder_input_details (the prompt's log-probabilities) is not computed by this server",
 }
-"""TGI parameters accepted when unset (null, false, best_of 1) and refused, saying so, when set."""
+"""TGI parameters accepted when unset (null, false) and refused, saying so, when set."""
 
 
 class GenerateRequest(BaseModel):
@@ -94,14 +99,35 @@ class Token(BaseModel):
     special: bool
 
 
+class InputToken(BaseModel):
+    """A prompt token (``decoder_input_details``): the first has no log-probability."""
+
+    id: int
+    text: str
+    logprob: float | None = None
+
+
+class BestOfSequence(BaseModel):
+    generated_text: str
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[InputToken] = Field(default_factory=list)
+    tokens: list[Token] = Field(default_factory=list)
+    top_tokens: list[list[Token]] | None = None
+
+
 class Details(BaseModel):
     finish_reason: FinishReason
     generated_tokens: int
     seed: int | None = None
-    prefill: list[Token] = Field(default_factory=list)
+    prefill: list[InputToken] = Field(default_factory=list)
+    """With ``decoder_input_details``: the prompt's tokens and their log-probabilities."""
     tokens: list[Token] = Field(default_factory=list)
     top_tokens: list[list[Token]] | None = None
     """With ``top_n_tokens``: the most likely tokens at each step."""
+    best_of_sequences: list[BestOfSequence] | None = None
+    """With ``best_of`` > 1: the other sequences sampled."""
 
 
 class GenerateResponse(BaseModel):

@@ -9,11 +9,15 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from server.errors import GenerationError, error_body
-from server.generation import RequestStream, check_admission, compile_grammar
+from dataclasses import replace
+
+from server.errors import GenerationError, InputValidationError, error_body
+from server.generation import RequestStream, check_admission, collect_all, compile_grammar
 from server.api.tgi.protocol import (
+    BestOfSequence,
     CompatGenerateRequest,
     Details,
+    InputToken,
     GenerateRequest,
     GenerateResponse,
     StreamDetails,
@@ -35,9 +39,14 @@ def _top_tokens(state: ServerState, event: TokenEvent) -> list[Token]:
     return [Token(id=t, text=state.tokenizer.decode([t]), logprob=lp, special=t in special) for t, lp in event.top]
 
 
-def _start(state: ServerState, body: GenerateRequest) -> tuple[RequestStream, float]:
+def _start(state: ServerState, body: GenerateRequest) -> tuple[list[RequestStream], list[int], float]:
+    """The request's streams (``best_of`` of them, seeds seed + j where a seed is given), its
+    prompt ids, and the validation time."""
     start = time.monotonic()
     p = body.parameters
+    best_of = p.best_of or 1
+    if best_of > 1 and not p.samples:
+        raise InputValidationError("you must use sampling when best_of is > 1", param="best_of")
     prompt_ids = state.tokenizer(body.inputs).input_ids
     if p.truncate is not None:
         prompt_ids = prompt_ids[-p.truncate:]  # TGI's truncate: the input's last tokens
@@ -47,12 +56,27 @@ def _start(state: ServerState, body: GenerateRequest) -> tuple[RequestStream, fl
         kind = {"json": "json_schema", "json_object": "json_object", "regex": "regex"}[p.grammar["type"]]
         grammar = compile_grammar(state, kind, p.grammar.get("value"), "grammar")
     params = SamplingParams(
-        max_new_tokens=p.max_new_tokens, do_sample=p.do_sample, temperature=p.temperature, top_k=p.top_k,
-        top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
+        max_new_tokens=p.max_new_tokens, do_sample=p.do_sample or best_of > 1, temperature=p.temperature,
+        top_k=p.top_k, top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
         frequency_penalty=p.frequency_penalty or None, seed=p.seed, top_logprobs=p.top_n_tokens or 0,
-        grammar=grammar,
+        grammar=grammar, prompt_logprobs=0 if p.decoder_input_details else None,
     )
-    return RequestStream(state, prompt_ids, params, p.stop), time.monotonic() - start
+    streams: list[RequestStream] = []
+    try:
+        for j in range(best_of):
+            seeded = params if j == 0 or params.seed is None else replace(params, seed=params.seed + j)
+            streams.append(RequestStream(state, prompt_ids, seeded, p.stop))
+    except BaseException:
+        for stream in streams:
+            state.scheduler.cancel(stream.handle)
+        raise
+    return streams, prompt_ids, time.monotonic() - start
+
+
+def _prefill(state: ServerState, prompt_ids: list[int], event: TokenEvent) -> list[InputToken]:
+    """``decoder_input_details``: the prompt's tokens, each but the first with its log-probability."""
+    scores = [None] + [lp for lp, _ in event.prompt_logprobs or ()]
+    return [InputToken(id=t, text=state.tokenizer.decode([t]), logprob=lp) for t, lp in zip(prompt_ids, scores)]
 
 
 def _full_text(body: GenerateRequest, text: str) -> str:
@@ -63,24 +87,37 @@ def build_tgi_router(state: ServerState) -> APIRouter:
     router = APIRouter()
 
     async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
-        stream, validation_s = _start(state, body)
-        tokens: list[Token] = []
-        top_tokens: list[list[Token]] = []
-        for event in await stream.collect(request):
-            tokens.append(_token(event))
-            top_tokens.append(_top_tokens(state, event))
-            if event.finish is not None:
-                details = None
-                if body.parameters.details:
-                    details = Details(finish_reason=event.finish, generated_tokens=stream.num_tokens,
-                                      seed=stream.seed, tokens=tokens,
-                                      top_tokens=top_tokens if body.parameters.top_n_tokens else None)
-                response = GenerateResponse(generated_text=_full_text(body, stream.text), details=details)
-                return JSONResponse(response.model_dump(), headers=stream.timing_headers(validation_s))
-        raise GenerationError("generation ended without a result")
+        streams, prompt_ids, validation_s = _start(state, body)
+        p = body.parameters
+        collected = await collect_all(streams, request)
+        if any(not events or events[-1].finish is None for events in collected):
+            raise GenerationError("generation ended without a result")
+        answers = []
+        for stream, events in zip(streams, collected):
+            answers.append(BestOfSequence(
+                generated_text=_full_text(body, stream.text), finish_reason=events[-1].finish,
+                generated_tokens=stream.num_tokens, seed=stream.seed,
+                prefill=_prefill(state, prompt_ids, events[0]) if p.decoder_input_details else [],
+                tokens=[_token(e) for e in events],
+                top_tokens=[_top_tokens(state, e) for e in events] if p.top_n_tokens else None))
+        # best_of: the likeliest sequence answers (the sum of its tokens' log-probabilities), the others follow
+        order = sorted(range(len(answers)), key=lambda i: -sum(t.logprob for t in answers[i].tokens))
+        best = answers[order[0]]
+        details = None
+        if p.details:
+            details = Details(**best.model_dump(exclude={"generated_text"}),
+                              best_of_sequences=[answers[i] for i in order[1:]] if len(answers) > 1 else None)
+        response = GenerateResponse(generated_text=best.generated_text, details=details)
+        return JSONResponse(response.model_dump(), headers=streams[order[0]].timing_headers(validation_s))
 
     async def generate_stream(body: GenerateRequest) -> StreamingResponse:
-        stream, _ = _start(state, body)
+        p = body.parameters
+        if p.decoder_input_details:
+            raise InputValidationError("decoder_input_details == true is not supported when streaming tokens",
+                                       param="decoder_input_details")
+        if (p.best_of or 1) > 1:
+            raise InputValidationError("best_of > 1 is not supported when streaming tokens", param="best_of")
+        (stream,), _, _ = _start(state, body)
 
         async def sse() -> AsyncIterator[str]:
             index = 0
