@@ -232,3 +232,43 @@ def test_tool_requests_that_cannot_be_served_get_400(served, body, param):
     r = served.client.post("/v1/chat/completions", json={"messages": WEATHER, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+
+
+# --- structured output on real weights: every kind, greedy and sampled, through both clients ---
+
+def test_structured_outputs_on_real_weights(served, openai_client):
+    import json
+    import re
+
+    import jsonschema
+    from huggingface_hub import InferenceClient
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+        population_millions: float
+
+    model = "SmolLM2-135M-Instruct-Q4_1"
+    ask = [{"role": "user", "content": "Describe Paris as JSON."}]
+    for settings in ({"temperature": 0}, {"temperature": 1.0, "seed": 11}):
+        parsed = openai_client.chat.completions.parse(model=model, messages=ask, response_format=City, max_tokens=80,
+                                                      **settings)
+        assert isinstance(parsed.choices[0].message.parsed, City), parsed.choices[0].message.content
+        anything = openai_client.chat.completions.create(model=model, messages=ask, max_tokens=60,
+                                                         response_format={"type": "json_object"}, **settings)
+        if anything.choices[0].finish_reason == "stop":  # (length: cut short, valid so far)
+            assert isinstance(json.loads(anything.choices[0].message.content), dict)
+        choice = openai_client.chat.completions.create(model=model, messages=ask, max_tokens=8,
+                                                       extra_body={"guided_choice": ["yes", "no"]}, **settings)
+        assert choice.choices[0].message.content in ("yes", "no")
+    # TGI's grammar through huggingface_hub's client
+    client = InferenceClient(model=served.url, timeout=60)
+    schema = City.model_json_schema()
+    for sampled in (False, True):
+        extra = {"do_sample": True, "seed": 5} if sampled else {}
+        text = client.text_generation("Paris is", max_new_tokens=80, grammar={"type": "json", "value": schema}, **extra)
+        jsonschema.validate(json.loads(text), schema)
+        digits = client.text_generation("The year:", max_new_tokens=6,
+                                        grammar={"type": "regex", "value": "[12][0-9]{3}"}, **extra)
+        assert re.fullmatch("[12][0-9]{3}", digits), digits

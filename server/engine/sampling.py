@@ -128,9 +128,19 @@ class BatchSampler:
                allowed: dict[int, torch.Tensor] | None = None) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """Per row: the next token, its log-probability under the model, and the ``top_logprobs``
         most likely tokens with theirs. ``allowed``: per row index, a [vocab] bool mask of the
-        tokens its grammar allows (the others are never chosen)."""
+        tokens its grammar allows (the others are never chosen). Those rows of ``logits_NV`` are
+        masked in place, once the model's own log-probabilities are taken from them: a copy of
+        the whole batch's logits per step would cost every row for one constrained one."""
         logits_NV = logits_NV.float()
-        scores_NV = self._process(logits_NV, rows, allowed)
+        # the model's distribution, before any mask (one fused pass: half logsumexp's time on CPU)
+        logprobs_NV = torch.log_softmax(logits_NV, dim=-1)
+        tops = {i: torch.topk(logprobs_NV[i], row.params.top_logprobs)
+                for i, row in enumerate(rows) if row.params.top_logprobs}
+        for i, mask in (allowed or {}).items():
+            if not bool(mask.any()):
+                raise ValueError("the grammar allows no token here")
+            logits_NV[i].masked_fill_(~mask, float("-inf"))
+        scores_NV = self._process(logits_NV, rows)
         tokens_N = torch.argmax(scores_NV, dim=-1)
         sampled = [i for i, row in enumerate(rows) if row.params.samples]
         if sampled:
@@ -141,30 +151,16 @@ class BatchSampler:
             drawn_M = torch.searchsorted(cdf_MV, (uniform_M * cdf_MV[:, -1]).unsqueeze(1), right=True).squeeze(1)
             drawn_M = drawn_M.clamp_(max=probs_MV.shape[1] - 1)
             # A distribution degenerate past float range (temperature -> 0 and the like) has greedy
-            # as its limit: the most likely token under the model.
+            # as its limit: the most likely token under the model (within its grammar).
             finite_M = torch.isfinite(probs_MV).all(dim=-1)
-            greedy_M = torch.argmax(self._allowed_logits(logits_NV, allowed).index_select(0, index), dim=-1)
+            greedy_M = torch.argmax(logits_NV.index_select(0, index), dim=-1)
             tokens_N.index_copy_(0, index, torch.where(finite_M, drawn_M, greedy_M))
-        chosen_N1 = tokens_N.unsqueeze(1)
-        logprob_N = (logits_NV.gather(1, chosen_N1).squeeze(1) - torch.logsumexp(logits_NV, dim=-1)).tolist()
+        logprob_N = logprobs_NV.gather(1, tokens_N.unsqueeze(1)).squeeze(1).tolist()
         tokens = tokens_N.tolist()
         out = []
-        for i, row in enumerate(rows):
-            top: list[tuple[int, float]] = []
-            if row.params.top_logprobs:
-                values, indices = torch.topk(torch.log_softmax(logits_NV[i], dim=-1), row.params.top_logprobs)
-                top = list(zip(indices.tolist(), values.tolist()))
+        for i in range(len(rows)):
+            top = list(zip(tops[i].indices.tolist(), tops[i].values.tolist())) if i in tops else []
             out.append((tokens[i], logprob_N[i], top))
-        return out
-
-    @staticmethod
-    def _allowed_logits(logits_NV: torch.Tensor, allowed: dict[int, torch.Tensor] | None) -> torch.Tensor:
-        """The raw logits, with what a row's grammar forbids at -inf (the scores may have overflowed)."""
-        if not allowed:
-            return logits_NV
-        out = logits_NV.clone()
-        for i, mask in allowed.items():
-            out[i] = out[i].masked_fill(~mask, float("-inf"))
         return out
 
     def _uniform(self, row: Row) -> float:
@@ -173,10 +169,10 @@ class BatchSampler:
         return float(torch.rand((), generator=self._generator))
 
     @staticmethod
-    def _process(logits_NV: torch.Tensor, rows: list[Row], allowed: dict[int, torch.Tensor] | None = None
-                 ) -> torch.Tensor:
-        """transformers' processors, row-wise parameters, in generate's order; a grammar's mask
-        (``allowed``) before the warpers, so that top-k, top-p and min-p choose among what it allows."""
+    def _process(logits_NV: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """transformers' processors, row-wise parameters, in generate's order, never in place (the
+        logits are the model's). A grammar's mask is already in the logits, so top-k, top-p and
+        min-p choose among what it allows (penalties and biases keep -inf at -inf)."""
         scores = logits_NV
         vocab = scores.shape[1]
         device = scores.device
@@ -203,12 +199,6 @@ class BatchSampler:
             rows_i, cols, bias = zip(*biased)
             scores = scores.index_put((torch.tensor(rows_i, device=device), torch.tensor(cols, device=device)),
                                       torch.tensor(bias, dtype=scores.dtype, device=device), accumulate=True)
-        if allowed:
-            scores = scores.clone()  # never the logits themselves: logprobs are taken from them
-            for i, mask in allowed.items():
-                if not bool(mask.any()):
-                    raise ValueError("the grammar allows no token here")
-                scores[i] = scores[i].masked_fill(~mask, float("-inf"))
         warped = [i for i, r in enumerate(rows) if r.params.samples]
         if not warped:
             return scores
