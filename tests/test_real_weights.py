@@ -242,23 +242,24 @@ def test_structured_outputs_on_real_weights(served, openai_client):
 
     import jsonschema
     from huggingface_hub import InferenceClient
-    from pydantic import BaseModel
+    from pydantic import BaseModel, ConfigDict, Field
 
-    class City(BaseModel):
-        name: str
-        country: str
-        population_millions: float
+    class City(BaseModel):  # bounded: a 135M model may otherwise ramble until max_tokens
+        model_config = ConfigDict(extra="forbid")
+        name: str = Field(max_length=24)
+        country: str = Field(max_length=24)
+        population_millions: int = Field(ge=0, le=100)
 
     model = "SmolLM2-135M-Instruct-Q4_1"
     ask = [{"role": "user", "content": "Describe Paris as JSON."}]
     for settings in ({"temperature": 0}, {"temperature": 1.0, "seed": 11}):
-        parsed = openai_client.chat.completions.parse(model=model, messages=ask, response_format=City, max_tokens=80,
+        parsed = openai_client.chat.completions.parse(model=model, messages=ask, response_format=City, max_tokens=200,
                                                       **settings)
         assert isinstance(parsed.choices[0].message.parsed, City), parsed.choices[0].message.content
         anything = openai_client.chat.completions.create(model=model, messages=ask, max_tokens=60,
                                                          response_format={"type": "json_object"}, **settings)
         if anything.choices[0].finish_reason == "stop":  # (length: cut short, valid so far)
-            assert isinstance(json.loads(anything.choices[0].message.content), dict)
+            assert isinstance(json.loads(anything.choices[0].message.content), dict), anything
         choice = openai_client.chat.completions.create(model=model, messages=ask, max_tokens=8,
                                                        extra_body={"guided_choice": ["yes", "no"]}, **settings)
         assert choice.choices[0].message.content in ("yes", "no")
@@ -267,8 +268,10 @@ def test_structured_outputs_on_real_weights(served, openai_client):
     schema = City.model_json_schema()
     for sampled in (False, True):
         extra = {"do_sample": True, "seed": 5} if sampled else {}
-        text = client.text_generation("Paris is", max_new_tokens=80, grammar={"type": "json", "value": schema}, **extra)
-        jsonschema.validate(json.loads(text), schema)
+        out = client.text_generation("Paris is", max_new_tokens=200, grammar={"type": "json", "value": schema},
+                                     details=True, **extra)
+        assert out.details.finish_reason == "eos_token", out  # the grammar completed
+        jsonschema.validate(json.loads(out.generated_text), schema)
         digits = client.text_generation("The year:", max_new_tokens=6,
                                         grammar={"type": "regex", "value": "[12][0-9]{3}"}, **extra)
         assert re.fullmatch("[12][0-9]{3}", digits), digits
