@@ -78,10 +78,10 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
             }
             ranks = []
             for r, s in enumerate(scheduler.rank_stats):
-                entry = {"rank": r}
+                entry = {"rank": r, "replica": next(i for i, ranks_ in enumerate(scheduler.replicas) if r in ranks_)}
                 if s is not None:
                     entry.update(pid=s.pid, sequences_started=s.sequences_started, tokens_computed=s.tokens_computed,
-                                 active=s.active)
+                                 forwards=s.forwards, active=s.active)
                 pool = scheduler.pools[r]
                 entry["kv_blocks"] = {"total": pool.num_blocks, "used": pool.num_used, "cached": pool.num_cached}
                 entry["prefix_cache"] = {"queried_tokens": pool.queries, "hit_tokens": pool.hits,

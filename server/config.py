@@ -109,7 +109,11 @@ class ServeConfig:
     nproc_per_node: int | None = option(
         None, "ranks on this node: a number, or auto (one per visible GPU on cuda, 2 on cpu); torchrun decides "
         "under torchrun", "group", type=parse_nproc_per_node, metavar="N|auto")
-    replicate_size: int = option(1, "replicas of the model; the mesh is replicate x shard", "group", type=int)
+    replicate_size: int | None = option(
+        None, "replicas of the model (the mesh is replicate x shard); auto: world size / shard size where that is "
+        "given, else one replica per node under torchrun with several nodes (each node's ranks one shard group, so "
+        "all-gathers stay on the node's fast links), else 1", "group", type=int_or_keyword("auto", None, 1),
+        metavar="N|auto", none_means="auto")
     shard_size: int = option(-1, "ranks per replica; -1: world size / replicate size", "group", type=int)
     device: str | None = option(None, "cpu (gloo) or cuda (NCCL, one GPU per rank); default: cuda when available",
                                 "group", choices=DEVICE_TYPES)
@@ -202,6 +206,22 @@ class ServeConfig:
             raise ValueError(f"--max-batch-prefill-tokens must be >= 1, got {self.max_batch_prefill_tokens}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("--served-model-name must not be empty")
+
+    def mesh_config(self, world_size: int, local_world_size: int):
+        """The HSDP config of ``--replicate-size`` and ``--shard-size`` for this group (``auto``
+        resolved as the flag says; ``local_world_size``: the ranks on each node)."""
+        from shard_engine import HSDPInferenceConfig
+
+        replicate = self.replicate_size
+        if replicate is None:
+            nodes = world_size // local_world_size if world_size % local_world_size == 0 else 1
+            if self.shard_size != -1:
+                replicate = max(1, world_size // self.shard_size)
+            elif nodes > 1:
+                return HSDPInferenceConfig(replicate_size=nodes, shard_size=local_world_size)
+            else:
+                replicate = 1
+        return HSDPInferenceConfig(replicate_size=replicate, shard_size=self.shard_size)
 
     @property
     def torch_dtype(self):

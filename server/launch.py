@@ -333,6 +333,7 @@ def launch_group(
                 local_world_size,
                 nproc_per_node,
             )
+        _exit_when_agent_dies()
         try:
             return _run_rank(entrypoint, args, log_level, title)
         except Exception as e:
@@ -343,6 +344,30 @@ def launch_group(
         set_process_title(f"{title} launcher ({nproc_per_node} ranks)")
     with _terminal_foreground():
         return _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, shutdown_timeout_s, title)
+
+
+AGENT_POLL_S = 0.5
+AGENT_GONE_EXIT_CODE = 4
+
+
+def _exit_when_agent_dies(poll_s: float = AGENT_POLL_S) -> None:
+    """Under torchrun: exit when the agent that started this worker is gone. torchrun starts its
+    workers in sessions of their own and without a parent-death signal, so a worker whose agent
+    was killed (the node lost its agent, the operator killed it) would otherwise serve on as an
+    orphan, holding its GPU and the other ranks' collectives. Seen as the parent pid changing:
+    the orphan is adopted by init or a subreaper."""
+    agent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == agent:
+            time.sleep(poll_s)
+        logger.error("the torchrun agent (pid %d) is gone: this worker exits (%d)", agent, AGENT_GONE_EXIT_CODE)
+        from shard_engine import remove_owned_now
+
+        remove_owned_now()  # os._exit skips atexit
+        os._exit(AGENT_GONE_EXIT_CODE)
+
+    threading.Thread(target=watch, name="hsdp-agent-watch", daemon=True).start()
 
 
 def _supported_fields(cls, **optional) -> dict:
@@ -356,6 +381,53 @@ def _supported_fields(cls, **optional) -> dict:
     if skipped:
         logger.debug("torch %s: LaunchConfig has no %s; its defaults apply", torch.__version__, skipped)
     return {k: v for k, v in optional.items() if k in names}
+
+
+LOOPBACK = "127.0.0.1"
+_LOOPBACK_RDZV = "hsdp-loopback"
+_LISTENERS: list = []  # the sockets the loopback stores listen on (the stores use their descriptors)
+
+
+def _loopback_tcp_store(timeout_s: float = 600):
+    """A TCPStore server listening on 127.0.0.1 only. Given a host name, TCPStore listens on every
+    interface, unauthenticated; given a socket already bound to loopback, it listens there."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((LOOPBACK, 0))
+    sock.listen(1024)
+    _LISTENERS.append(sock)
+    return dist.TCPStore(LOOPBACK, sock.getsockname()[1], is_master=True, multi_tenant=True,
+                         master_listen_fd=sock.fileno(), timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _loopback_rendezvous(params):
+    """torch's c10d dynamic rendezvous for one node, both of whose stores (the rendezvous's and the
+    one the ranks share) listen on 127.0.0.1 only."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
+
+    class LoopbackRendezvousHandler(DynamicRendezvousHandler):
+        def _create_tcp_store_server(self, master_addr, master_port):
+            return _loopback_tcp_store()
+
+    class LoopbackBackend(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:  # the registry checks the handler's backend name against its own
+            return _LOOPBACK_RDZV
+
+    store = _loopback_tcp_store()
+    join = datetime.timedelta(seconds=int(params.get("join_timeout", 600)))
+    return LoopbackRendezvousHandler.from_backend(
+        params.run_id, store, LoopbackBackend(store, params.run_id), params.min_nodes, params.max_nodes,
+        LOOPBACK, RendezvousTimeout(join=join))
+
+
+def _register_loopback_rendezvous() -> str:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(_LOOPBACK_RDZV, _loopback_rendezvous)  # again: a no-op
+    return _LOOPBACK_RDZV
 
 
 def _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, shutdown_timeout_s, title) -> Any:
@@ -372,21 +444,25 @@ def _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, s
             max_nodes=1,
             nproc_per_node=nproc_per_node,
             run_id=f"hsdp-{uuid.uuid4().hex[:12]}",
-            # Port 0: the agent's TCPStore binds a free port once and the ranks reuse that
-            # store, so two groups on one host cannot collide and there is no pick-then-bind race.
-            rdzv_backend="c10d",
-            rdzv_endpoint="localhost:0",
+            # The agent's stores listen on 127.0.0.1 only, on ports the OS picks when it binds
+            # them (two groups on one host cannot collide, no pick-then-bind race), and the
+            # ranks reuse the agent's store: see _loopback_rendezvous.
+            rdzv_backend=_register_loopback_rendezvous(),
+            rdzv_endpoint="",
             rdzv_configs={"join_timeout": rdzv_timeout_s},
             max_restarts=0,
             start_method="spawn",  # fork after torch (or CUDA) is initialised is unsafe
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
             **_supported_fields(
                 LaunchConfig,
+                local_addr=LOOPBACK,  # the address the ranks are told to reach rank 0's store at
                 shutdown_timeout=shutdown_timeout_s,
                 signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM and SIGINT are ours, see below
             ),
         )
         logger.debug("launching %d rank(s), run id %s", nproc_per_node, config.run_id)
+        if sys.platform.startswith("linux"):  # gloo's own sockets on loopback too (the ranks inherit it)
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         with _passing_stop_signals_to_ranks(shutdown_timeout_s) as received:
             try:
                 results = elastic_launch(config, _run_rank)(entrypoint, args, log_level, title, True)

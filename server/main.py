@@ -111,13 +111,13 @@ def serve_rank(cfg: ServeConfig, source) -> None:
     from server.metrics import ServerMetrics
     from server.state import ServerState
     from server.watchdog import StepWatchdog
-    from shard_engine import (HSDPInferenceConfig, enable_forward_prefetch, enable_shared_memory_all_gather,
-                              shared_weights_of, slots_for_depth)
+    from shard_engine import (enable_forward_prefetch, enable_shared_memory_all_gather, shared_weights_of,
+                              slots_for_depth)
 
-    hsdp = HSDPInferenceConfig(replicate_size=cfg.replicate_size, shard_size=cfg.shard_size)
     tune_allocator()  # server.memory says why
     device = init_rank(resolve_device_type(cfg.device), cfg.collective_timeout_s)
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    hsdp = cfg.mesh_config(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     mesh_shape = hsdp.resolve_mesh_shape(world_size)
     state = http = scheduler = shm_pool = None
     if rank == 0:
@@ -313,16 +313,13 @@ def _check_before_launch(cfg: ServeConfig, source) -> None:
     from server.api.openai.chat import read_chat_template
     from server.engine.capability import check_servable
     from server.launch import is_under_torchrun, resolve_nproc_per_node
-    from shard_engine import HSDPInferenceConfig
 
     check_servable(load_config(source.path))  # a model the engine cannot serve is refused unread
     read_chat_template(cfg.chat_template)  # a --chat-template that is neither file nor template
 
     cfg.nproc_per_node = resolve_nproc_per_node(cfg.nproc_per_node, resolve_device_type(cfg.device))
     if not is_under_torchrun():
-        HSDPInferenceConfig(replicate_size=cfg.replicate_size, shard_size=cfg.shard_size).resolve_mesh_shape(
-            cfg.nproc_per_node
-        )
+        cfg.mesh_config(cfg.nproc_per_node, cfg.nproc_per_node).resolve_mesh_shape(cfg.nproc_per_node)
 
 
 def sampling_defaults(model) -> dict:

@@ -56,4 +56,7 @@ class StepWatchdog(threading.Thread):
             except Exception:  # noqa: BLE001 - exiting regardless
                 logger.exception("while failing open requests")
         sys.stderr.flush()
+        from shard_engine import remove_owned_now
+
+        remove_owned_now()  # os._exit skips atexit: this rank's /dev/shm directories go now
         os._exit(STEP_TIMEOUT_EXIT_CODE)

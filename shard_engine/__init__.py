@@ -17,7 +17,9 @@ from shard_engine.shm_all_gather import (
     SharedMemoryAllGather,
     SharedMemoryPool,
     enable_shared_memory_all_gather,
+    remove_owned_now,
     slots_for_depth,
+    sweep_stale,
 )
 from shard_engine.sharding import (
     HSDPShardContext,
@@ -65,4 +67,6 @@ __all__ = [
     "shard_hsdp_module",
     "shard_model",
     "slots_for_depth",
+    "remove_owned_now",
+    "sweep_stale",
 ]

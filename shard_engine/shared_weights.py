@@ -35,13 +35,13 @@ import atexit
 import logging
 import mmap
 import os
-import shutil
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from shard_engine.overlap import fsdp_units, unit_param_group
+from shard_engine.shm_all_gather import disown, own
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class SharedWeights:
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        own(directory)
         atexit.register(self._remove_files)
 
     @property
@@ -98,7 +99,7 @@ class SharedWeights:
         self._remove_files()
 
     def _remove_files(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+        disown(self.directory)
         atexit.unregister(self._remove_files)
 
 

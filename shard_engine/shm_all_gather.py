@@ -20,10 +20,12 @@ the model: a few units' worth of shared memory per host.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import os
 import shutil
+import socket
 import uuid
 from collections.abc import Sequence
 
@@ -38,6 +40,69 @@ logger = logging.getLogger(__name__)
 
 SHM_ROOT = "/dev/shm"
 _ALIGN = 1 << 20
+STALE_AFTER_S = 60.0
+"""A directory none of whose ranks is alive, and older than this, is a crashed job's: removed."""
+_OWNED: set[str] = set()  # this process's /dev/shm directories, for remove_owned_now()
+
+
+def own(directory: str) -> None:
+    _OWNED.add(directory)
+
+
+def disown(directory: str) -> None:
+    _OWNED.discard(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def remove_owned_now() -> None:
+    """Remove every /dev/shm directory of this process, for exits that skip ``atexit`` (the step
+    watchdog's and the torchrun worker's ``os._exit``). Mapped pages stay valid for whoever maps them."""
+    for directory in list(_OWNED):
+        disown(directory)
+
+
+def sweep_stale(root: str = SHM_ROOT, min_age_s: float = STALE_AFTER_S) -> list[str]:
+    """Remove this user's ``hsdp-*`` directories whose ranks are all gone (each rank leaves a
+    ``pid-N`` file in the directories it uses) and that are older than ``min_age_s``: what a job
+    killed outright (SIGKILL of every rank, a node's agent killed with its workers) left behind.
+    Returns what it removed."""
+    import time
+
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith("hsdp-"):
+            continue
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+            if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.getuid():
+                continue
+            if time.time() - st.st_mtime < min_age_s:
+                continue
+            pids = [int(n[4:]) for n in os.listdir(path) if n.startswith("pid-") and n[4:].isdigit()]
+        except OSError:
+            continue
+        if not any(_alive(pid) for pid in pids):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        logger.info("removed %d stale shared-memory director%s of crashed jobs: %s", len(removed),
+                    "y" if len(removed) == 1 else "ies", ", ".join(removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    return True
 
 
 class SharedMemoryPool:
@@ -47,7 +112,9 @@ class SharedMemoryPool:
         self.directory, self.slots = directory, slots
         self._buffers: list[torch.Tensor | None] = [None] * slots
         self._generation = [0] * slots
+        self._linked: list[str | None] = [None] * slots  # slot files not yet unlinked
         self.calls = 0
+        own(directory)
         atexit.register(self.close)  # a process that never closes it still removes its files
 
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -55,6 +122,12 @@ class SharedMemoryPool:
         self.calls += 1
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         current = self._buffers[slot]
+        if self._linked[slot] is not None:
+            # every rank mapped this file before the gather that last used the slot ended (its
+            # barrier): the name can go, the pages stay while mapped, so no crash leaves them
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._linked[slot])
+            self._linked[slot] = None
         if current is None or current.numel() < nbytes:
             self._generation[slot] += 1
             size = math.ceil(nbytes / _ALIGN) * _ALIGN
@@ -66,6 +139,7 @@ class SharedMemoryPool:
             finally:
                 os.close(fd)
             self._buffers[slot] = current = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            self._linked[slot] = path
         return current[:nbytes].view(dtype)
 
     @property
@@ -75,7 +149,7 @@ class SharedMemoryPool:
 
     def close(self) -> None:
         self._buffers = [None] * self.slots
-        shutil.rmtree(self.directory, ignore_errors=True)
+        disown(self.directory)
         atexit.unregister(self.close)
 
 
@@ -173,7 +247,13 @@ def cleanup_run(run_id: str) -> None:
 
 
 def _probe(directory: str, group: dist.ProcessGroup, ranks: list[int], need_bytes: int) -> str | None:
-    """None if every rank of ``group`` sees the bytes the group's first rank writes, else why not."""
+    """None if every rank of ``group`` sees the bytes the group's first rank writes, else why not.
+    Ranks of different nodes (hosts, or torchrun's nodes: ``GROUP_RANK``) never share memory, even
+    where two nodes run on one host and would see the same /dev/shm."""
+    nodes = [None] * len(ranks)
+    dist.all_gather_object(nodes, (socket.gethostname(), os.environ.get("GROUP_RANK", "0")), group=group)
+    if len(set(nodes)) > 1:
+        return f"the shard group spans {len(set(nodes))} nodes"
     me = dist.get_rank()
     path = os.path.join(directory, "probe")
     stamp = uuid.uuid4().bytes
@@ -182,6 +262,7 @@ def _probe(directory: str, group: dist.ProcessGroup, ranks: list[int], need_byte
     problem = None
     try:
         if me == ranks[0]:
+            sweep_stale()
             os.mkdir(directory, mode=0o700)  # exclusively: an existing one (or a link) is refused
             stat = os.statvfs(directory)
             if stat.f_bavail * stat.f_frsize < need_bytes:
@@ -192,6 +273,9 @@ def _probe(directory: str, group: dist.ProcessGroup, ranks: list[int], need_byte
     except OSError as e:
         problem = f"cannot write {path}: {e}"
     dist.barrier(group=group)
+    with contextlib.suppress(OSError):  # whose directory this is, for sweep_stale of a crashed job
+        os.close(os.open(os.path.join(directory, f"pid-{os.getpid()}"),
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
     if problem is None and me != ranks[0]:
         try:
             with open(path, "rb") as f:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -130,3 +131,30 @@ def wait_session_gone(sid: int, timeout: float = 10) -> list[int]:
     while (left := session_pids(sid)) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
+
+
+def listening_addresses(pids) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket the processes ``pids`` listen on, from /proc (IPv4
+    as dotted quads, IPv6 as the kernel's hex)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                address, port = fields[1].split(":")
+                if table == "tcp":
+                    address = ".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0))
+                found.add((address, int(port, 16)))
+    return found

@@ -170,6 +170,15 @@ def test_config_validation():
     from shard_engine import HSDPInferenceConfig
 
     assert HSDPInferenceConfig(replicate_size=2, shard_size=4).resolve_mesh_shape(8) == (2, 4)
+    # the server's auto: per node under torchrun with several nodes, else from the shard size, else 1
+    from server.config import ServeConfig
+
+    def mesh(world, local, **flags):
+        return ServeConfig(**flags).mesh_config(world, local).resolve_mesh_shape(world)
+
+    assert mesh(8, 4) == (2, 4) and mesh(8, 8) == (1, 8) and mesh(2, 1) == (2, 1)
+    assert mesh(8, 4, shard_size=8) == (1, 8) and mesh(8, 4, shard_size=2) == (4, 2)
+    assert mesh(8, 4, replicate_size=1) == (1, 8) and mesh(8, 8, replicate_size=2) == (2, 4)
     assert HSDPInferenceConfig(replicate_size=2).resolve_mesh_shape(6) == (2, 3)
     with pytest.raises(ValueError, match="2 x shard_size=4 = 8 does not match world_size=6"):
         HSDPInferenceConfig(replicate_size=2, shard_size=4).resolve_mesh_shape(6)

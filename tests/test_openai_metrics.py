@@ -258,3 +258,14 @@ def test_tgi_decoder_input_details_and_best_of(served):
                                      ({"decoder_input_details": True}, "/generate_stream", "decoder_input_details")]:
         r = server.client.post(path_, json={"inputs": PROMPT, "parameters": parameters})
         assert r.status_code == 422 and param in r.json()["error"], (parameters, r.text)
+
+
+def test_the_group_listens_on_loopback_only(served):
+    """The launcher's rendezvous stores, the ranks' gloo sockets and HTTP (the default --host): all
+    on 127.0.0.1. (Given a host name, a TCPStore listens on every interface, unauthenticated.)"""
+    from tests.server_process import listening_addresses, session_pids
+
+    server, _ = served
+    addresses = listening_addresses(session_pids(server.proc.pid))
+    assert (("127.0.0.1", server.port)) in addresses and len(addresses) >= 4, addresses
+    assert {address for address, _ in addresses} == {"127.0.0.1"}, addresses

@@ -103,7 +103,11 @@ def test_prefetch_and_residency_keep_outputs_and_save_gathers(tmp_path, llama):
         assert back["counts"] == [units, units] and back["resident"]["extra_bytes_per_rank"] == 0
         # through shared memory: no all-gather on the process group at all, the same logits
         assert shm_prefetch["counts"] == shm_plain["counts"] == [0, 0]
-        assert r["shm_files_after_gather"][0] == "probe" and len(r["shm_files_after_gather"]) == 1 + 5
+        # what stays named: the probe and each rank's pid file; a slot file is unlinked once every
+        # rank has mapped it (at the slot's next use), so no crash can leave the ring's pages behind
+        files = r["shm_files_after_gather"]
+        assert "probe" in files and len([f for f in files if f.startswith("pid-")]) == 2, files
+        assert len([f for f in files if f.startswith("slot")]) < 5, files
         assert r["shm_dir"].startswith("/dev/shm/hsdp-") and not r["shm_dir_left"]
 
 
@@ -245,3 +249,32 @@ def test_server_reports_residency_and_serves_the_same_tokens(tmp_path, llama):
         assert [t["id"] for t in r.json()["details"]["tokens"]] == reference_generate(llama, PROMPTS[2:3], 12)[0]
     finally:
         assert server.stop() == 0, server.log_tail()
+
+
+def test_a_crashed_jobs_shared_memory_is_swept_by_the_next_start(tmp_path):
+    """Every rank leaves a pid file in the directories it uses; a directory none of whose ranks
+    lives, and that is older than a minute, goes at the next start (sweep_stale)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from shard_engine import sweep_stale
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    old = time.time() - 3600
+    dirs = {}
+    for name, pids, age in [("crashed", [dead_pid], old), ("alive", [dead_pid, os.getpid()], old),
+                            ("starting", [], time.time()), ("no-pids-old", [], old)]:
+        path = tmp_path / f"hsdp-test-{name}"
+        path.mkdir()
+        for pid in pids:
+            (path / f"pid-{pid}").touch()
+        (path / "slot0-1").touch()
+        os.utime(path, (age, age))
+        dirs[name] = path
+    (tmp_path / "other-file").touch()
+    removed = sweep_stale(str(tmp_path))
+    assert sorted(removed) == sorted(str(dirs[n]) for n in ("crashed", "no-pids-old"))
+    assert dirs["alive"].exists() and dirs["starting"].exists() and (tmp_path / "other-file").exists()

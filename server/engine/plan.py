@@ -80,3 +80,4 @@ class StepResult:
     pid: int  # the rank's process, for operators
     memory: dict | None = None  # the rank's memory report, every few seconds (server.memory)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    forwards: int = 0  # cumulative forward passes this rank ran (idle one-token forwards included)

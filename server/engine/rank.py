@@ -147,7 +147,7 @@ class RankEngine:
             self._trimmed_at, self._forwards_at_trim = time.monotonic(), self.forwards
         result = StepResult(
             self.rank, tokens, len(self.sequences), self.sequences_started, self.tokens_computed, os.getpid(),
-            prompt_logprobs=self._prompt_logprobs,
+            prompt_logprobs=self._prompt_logprobs, forwards=self.forwards,
         )
         if self.memory is not None and time.monotonic() - self._reported_at > MEMORY_REPORT_EVERY_S:
             self._reported_at = time.monotonic()
