@@ -31,6 +31,10 @@ else
         # torchrun's own 'auto' means one rank per CPU core on a CPU host; ours means 2.
         if [[ "${HSDP_DEVICE:-}" == cpu ]]; then nproc=2; else nproc=gpu; fi
     fi
+    # torchrun kills its workers 30 s after a SIGTERM by default: longer than the drain they need
+    drain="${HSDP_SHUTDOWN_TIMEOUT:-30}"
+    [[ "$drain" =~ ^[0-9]+$ ]] || drain=30
+    export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$(( drain + 15 ))}"
     cmd=(torchrun --nnodes "$nnodes" --nproc-per-node "$nproc" --node-rank "$HSDP_NODE_RANK"
          --master-addr "$HSDP_MASTER_ADDR" --master-port "${HSDP_MASTER_PORT:-29500}"
          -m server "$@")
