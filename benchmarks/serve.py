@@ -19,6 +19,10 @@ float32), one after the other, on this machine:
                  all-gathers through shared memory (the default before shared residency)
   hsdp-gloo      --resident-units 0 --all-gather group: all-gathers over gloo (TCP on loopback)
   hsdp-resident  --resident-units all --all-gather group: a private gathered copy on every rank
+  hsdp-1rank     --nproc-per-node 1 on one core (taskset): the whole model on one rank of one thread
+  hsdp-replicas  --replicate-size 2 --shard-size 1: two independent replicas, a rank (one thread)
+                 each; against hsdp-1rank it is the replicas' scaling at the same threads per rank
+                 (ratios_to_hsdp-1rank)
 
 Load, streamed requests (so that the first token is seen when it comes):
   closed loop    C clients, each sending its next request when the last one ends, until each
@@ -51,7 +55,8 @@ import httpx
 from benchmarks.models import bench_checkpoint, compute_dtype, parameter_count
 from tests.server_process import REPO, free_port
 
-SERVERS = ("transformers", "vllm", "hsdp", "hsdp-sharded", "hsdp-gloo", "hsdp-resident")
+SERVERS = ("transformers", "vllm", "hsdp", "hsdp-sharded", "hsdp-gloo", "hsdp-resident", "hsdp-1rank",
+           "hsdp-replicas")
 VLLM = os.environ.get("HSDP_BENCH_VLLM", os.path.expanduser("~/.vllm-venv/bin/vllm"))
 """vLLM's CPU build, in a venv of its own (../shared/PEERS.md says how to install it); a peer
 only where it is installed: the default server list leaves it out when it is not."""
@@ -143,12 +148,16 @@ def build_server(name: str, model_dir: str, log_dir: str, max_running: int, dtyp
         argv = ["transformers", "serve", "--continuous-batching", "--device", "cpu", "--dtype", dtype,
                 "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", model_dir]
         return Server(name, argv, port, "/health", model_dir, log_path)
-    argv = [sys.executable, "-m", "server", "--model", model_dir, "--nproc-per-node", "2", "--device", "cpu",
+    ranks = "1" if name == "hsdp-1rank" else "2"
+    argv = [sys.executable, "-m", "server", "--model", model_dir, "--nproc-per-node", ranks, "--device", "cpu",
             "--dtype", dtype, "--port", str(port), "--max-concurrent-requests", str(max_running),
             "--log-level", "warning", "--served-model-name", model_dir]
     argv += {"hsdp": [], "hsdp-sharded": ["--resident-units", "0"],
              "hsdp-gloo": ["--resident-units", "0", "--all-gather", "group"],
-             "hsdp-resident": ["--resident-units", "all", "--all-gather", "group"]}[name]
+             "hsdp-resident": ["--resident-units", "all", "--all-gather", "group"],
+             "hsdp-1rank": [], "hsdp-replicas": ["--replicate-size", "2", "--shard-size", "1"]}[name]
+    if name == "hsdp-1rank":  # one core: its rank takes one thread, as each replica's rank does
+        argv = ["taskset", "-c", "0", *argv]
     return Server(name, argv, port, "/ready", model_dir, log_path)
 
 
@@ -342,7 +351,7 @@ def markdown(report: dict) -> str:
                 f"| {name} | {scenario} | {m['requests_per_s']} | {m['output_tokens_per_s']} | "
                 f"{m['ttft_ms']['p50']} / {m['ttft_ms']['p99']} | {m['tpot_ms']['p50']} / {m['tpot_ms']['p99']} | "
                 f"{m['e2e_ms']['p50']} / {m['e2e_ms']['p99']} | {m['failures']} of {m['requests']} |")
-    for peer in ("transformers", "vllm"):
+    for peer in ("transformers", "vllm", "hsdp-1rank"):
         ratios = report.get(f"ratios_to_{peer}") or {}
         if ratios:
             lines += ["", f"| server / {peer} | scenario | output tok/s | TTFT p50 speed-up | TPOT p50 speed-up |",
@@ -407,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "ratios_to_transformers": ratios(results, "transformers") if "transformers" in results else None,
         "ratios_to_vllm": ratios(results, "vllm") if "vllm" in results else None,
+        "ratios_to_hsdp-1rank": ratios(results, "hsdp-1rank") if "hsdp-1rank" in results else None,
     }
     text = json.dumps(report, indent=2)
     print(text)

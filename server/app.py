@@ -78,7 +78,7 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
             }
             ranks = []
             for r, s in enumerate(scheduler.rank_stats):
-                entry = {"rank": r, "replica": next(i for i, ranks_ in enumerate(scheduler.replicas) if r in ranks_)}
+                entry = {"rank": r, "replica": scheduler.replica_of(r)}
                 if s is not None:
                     entry.update(pid=s.pid, sequences_started=s.sequences_started, tokens_computed=s.tokens_computed,
                                  forwards=s.forwards, active=s.active)

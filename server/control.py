@@ -1,7 +1,11 @@
-"""The control channel: rank 0's plan out to every rank, every rank's tokens back, once per step.
+"""The control channels: rank 0's plan out to a replica's ranks, their tokens back, once per step.
 
-It is a gloo group of its own, also when the model's collectives run on NCCL: plans are small
-pickled objects, and a CPU group never queues behind the model's all-gathers.
+One channel per replica (shard group), each a gloo group of its own of rank 0 and the replica's
+ranks, also when the model's collectives run on NCCL: plans are small pickled objects, and a CPU
+group never queues behind the model's all-gathers. Replica 0 holds rank 0, which steps it from
+its main thread (:func:`run_engine_loop`); every other replica is stepped by a thread of rank 0
+(:func:`drive_replica`) that plans for it and waits for its tokens, so the replicas run their
+steps independently.
 """
 
 from __future__ import annotations
@@ -18,21 +22,55 @@ logger = logging.getLogger(__name__)
 
 
 class ControlChannel:
-    def __init__(self, timeout_s: float):
-        # Collective: every rank creates the group in the same order.
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    """Rank 0 and ``ranks`` (a replica's); rank 0 sends plans and gathers results."""
+
+    def __init__(self, timeout_s: float, ranks: list[int]):
+        self.ranks = sorted({0, *ranks})
+        # Collective over the default group: every rank creates every channel, in the same order.
+        self.group = dist.new_group(self.ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
 
     def broadcast_plan(self, plan: StepPlan | None) -> StepPlan:
         box = [plan]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def gather_results(self, result: StepResult) -> list[StepResult] | None:
-        out = [None] * self.world_size if self.rank == 0 else None
+    def gather_results(self, result: StepResult | None) -> list[StepResult] | None:
+        """Rank 0: every member's result (rank 0's own is None where it is not in the replica)."""
+        out = [None] * len(self.ranks) if self.rank == 0 else None
         dist.gather_object(result, out, dst=0, group=self.group)
-        return out
+        return [r for r in out if r is not None] if out is not None else None
+
+
+def control_channels(timeout_s: float, replicas: list[list[int]]) -> list[ControlChannel | None]:
+    """One channel per replica, created on every rank (collectively); a rank keeps those it is in."""
+    me = dist.get_rank()
+    channels = []
+    for replica in replicas:
+        channel = ControlChannel(timeout_s, replica)
+        channels.append(channel if me in channel.ranks else None)
+    return channels
+
+
+def drive_replica(channel: ControlChannel, scheduler, watchdog=None) -> None:
+    """Rank 0's thread for a replica it is not in: plan, send, wait for the tokens, until the
+    replica's scheduler plans a shutdown. An idle replica gets an empty plan every idle wait (its
+    ranks' watchdogs and collective timeouts see the group alive) and runs no forward."""
+    clock = time.perf_counter
+    while True:
+        planned = scheduler.next_plan()
+        if watchdog is not None:
+            watchdog.step_started()
+        t0 = clock()
+        channel.broadcast_plan(planned)
+        if planned.shutdown:
+            return
+        results = channel.gather_results(None)
+        if watchdog is not None:
+            watchdog.step_finished()
+        scheduler.on_results(results)
+        if planned.forward:
+            scheduler.observe_step(step_s=clock() - t0, control_s=0.0)
 
 
 def run_engine_loop(engine: RankEngine, channel: ControlChannel, scheduler=None, watchdog=None) -> None:

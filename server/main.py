@@ -105,8 +105,8 @@ def serve_rank(cfg: ServeConfig, source) -> None:
     """Every rank's body; ``source`` is the resolved :class:`loaders.sources.ModelSource`."""
     from loaders import load_hsdp_model
     from server.app import build_app
-    from server.control import ControlChannel, run_engine_loop
-    from server.engine import BlockPool, KVGeometry, RankEngine, Scheduler, size_kv_pool
+    from server.control import control_channels, run_engine_loop
+    from server.engine import BlockPool, KVGeometry, RankEngine, ReplicaRouter, Scheduler, size_kv_pool
     from server.memory import MemoryReport, release_freed_memory, tensor_bytes, tune_allocator
     from server.metrics import ServerMetrics
     from server.state import ServerState
@@ -164,17 +164,25 @@ def serve_rank(cfg: ServeConfig, source) -> None:
                                      ring=shm_pool, ring_sharers=min(local_ranks, mesh_shape[1]),
                                      shared_weights=residency.shared_bytes,
                                      shared_weights_sharers=residency.shared_with)
-        channel = ControlChannel(cfg.collective_timeout_s)
+        replicas = _replicas(mesh_shape)
+        channels = control_channels(cfg.collective_timeout_s, replicas)
+        channel = next(c for c, ranks in zip(channels, replicas) if rank in ranks)  # this rank's replica's
         if rank == 0:
             limits = _resolve_limits(cfg, loaded.config)
-            pools = [BlockPool(blocks, cfg.kv_block_size, prefix_caching=cfg.prefix_caching)
-                     for _, _, blocks in per_rank]
-            scheduler = Scheduler(
-                pools=pools, replicas=_replicas(mesh_shape), max_running=limits.max_concurrent_requests,
-                max_queued=limits.max_queued_requests, max_total_tokens=limits.max_total_tokens,
-                max_prefill_tokens=cfg.max_batch_prefill_tokens,
-                eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer), metrics=state.metrics,
-            )
+            share = -(-limits.max_concurrent_requests // len(replicas))  # each replica's running bound
+            schedulers = [
+                Scheduler(
+                    pools=[BlockPool(per_rank[r][2], cfg.kv_block_size, prefix_caching=cfg.prefix_caching)
+                           for r in ranks],
+                    replicas=[list(range(len(ranks)))], rank_ids=ranks, max_running=share,
+                    max_queued=limits.max_queued_requests, max_total_tokens=limits.max_total_tokens,
+                    max_prefill_tokens=cfg.max_batch_prefill_tokens,
+                    eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer), metrics=state.metrics,
+                )
+                for ranks in replicas
+            ]
+            scheduler = ReplicaRouter(schedulers, max_running=limits.max_concurrent_requests,
+                                      max_queued=limits.max_queued_requests)
             logger.info("KV cache: %s blocks of %d tokens per rank (%.1f MB per rank, %d bytes per token)",
                         "/".join(str(b) for _, _, b in per_rank), cfg.kv_block_size, engine.cache.nbytes / 1e6,
                         geometry.bytes_per_token)
@@ -198,7 +206,10 @@ def serve_rank(cfg: ServeConfig, source) -> None:
             _ignore_stop_signals()
         watchdog = StepWatchdog(cfg.step_timeout_s, on_timeout=lambda why: _fail_open_requests(state, scheduler, why))
         watchdog.start()
-        run_engine_loop(engine, channel, scheduler, watchdog)
+        drivers = _drive_other_replicas(state, scheduler, channels, cfg) if rank == 0 else []
+        run_engine_loop(engine, channel, scheduler.schedulers[0] if rank == 0 else None, watchdog)
+        for driver in drivers:
+            driver.join()
         watchdog.stop()
     except BaseException as e:
         _fail_open_requests(state, scheduler, f"{type(e).__name__}: {e}")
@@ -208,6 +219,34 @@ def serve_rank(cfg: ServeConfig, source) -> None:
             shm_pool.close()
         if http is not None:
             http.should_exit = True
+
+
+def _drive_other_replicas(state, router, channels, cfg) -> list[threading.Thread]:
+    """Rank 0: a thread per replica it is not in, stepping that replica (server.control). A
+    failure there (a rank of the replica gone, a step over the timeout) fails the whole group, as
+    one on rank 0's own replica does: every open request answered, rank 0 out, non-zero."""
+    from server.control import drive_replica
+    from server.watchdog import StepWatchdog
+    from shard_engine import remove_owned_now
+
+    def drive(replica: int) -> None:
+        watchdog = StepWatchdog(cfg.step_timeout_s, on_timeout=lambda why: _fail_open_requests(state, router, why))
+        watchdog.start()
+        try:
+            drive_replica(channels[replica], router.schedulers[replica], watchdog)
+        except BaseException as e:  # noqa: BLE001 - the group is broken: down, fast and loudly
+            _fail_open_requests(state, router, f"replica {replica}: {type(e).__name__}: {e}")
+            logging.shutdown()
+            remove_owned_now()
+            os._exit(1)
+        finally:
+            watchdog.stop()
+
+    threads = [threading.Thread(target=drive, args=(r,), name=f"hsdp-replica-{r}", daemon=True)
+               for r in range(1, len(router.schedulers))]
+    for thread in threads:
+        thread.start()
+    return threads
 
 
 def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg) -> None:

@@ -1,5 +1,5 @@
-"""The serving engine: rank 0 plans every step (``scheduler``, ``blocks``), every rank computes
-its share of it (``rank``: the paged KV cache and attention of ``attention``, the batched
+"""The serving engine: rank 0 plans every step of every replica (``scheduler``, ``blocks``; one
+scheduler per replica behind ``replicas``' router), every rank computes its share of it (``rank``: the paged KV cache and attention of ``attention``, the batched
 sampler of ``sampling``); ``plan`` holds what crosses the control channel between them.
 
 Token ids only: text belongs to the API side (``server.detokenize``).
@@ -8,6 +8,7 @@ Token ids only: text belongs to the API side (``server.detokenize``).
 from server.engine.blocks import BlockPool
 from server.engine.plan import SequenceAdd, StepPlan, StepResult, TokenResult, Work
 from server.engine.rank import KVGeometry, RankEngine, size_kv_pool
+from server.engine.replicas import ReplicaRouter
 from server.engine.sampling import SamplingParams
 from server.engine.scheduler import ErrorEvent, RequestHandle, Scheduler, TokenEvent, choose_seed
 
@@ -16,6 +17,7 @@ __all__ = [
     "ErrorEvent",
     "KVGeometry",
     "RankEngine",
+    "ReplicaRouter",
     "RequestHandle",
     "SamplingParams",
     "Scheduler",

@@ -118,6 +118,7 @@ class RankEngine:
         self.forwards = 0
         self._prompt_logprobs: list[PromptLogprobs] = []  # this step's, for the step's result
         self.fault_at = _injected_fault(rank)
+        self.delay_s = _injected_delay(rank)
         self.memory = None  # a server.memory.MemoryReport, reported every few seconds
         self._reported_at = 0.0
         self._trimmed_at, self._forwards_at_trim = 0.0, 0
@@ -137,6 +138,8 @@ class RankEngine:
             self.forwards += 1
             if self.fault_at is not None and self.forwards >= self.fault_at:
                 raise RuntimeError(f"injected fault in forward {self.forwards} on rank {self.rank}")
+            if self.delay_s:
+                time.sleep(self.delay_s)
             work = plan.work.get(self.rank)
             tokens = self._forward(work) if work else self._idle_forward()
         elif self.forwards != self._forwards_at_trim and time.monotonic() - self._trimmed_at > TRIM_WHEN_IDLE_EVERY_S:
@@ -268,6 +271,16 @@ class RankEngine:
 
 
 FAULT_ENV = "HSDP_INJECT_FORWARD_FAULT"
+
+
+DELAY_ENV = "HSDP_INJECT_FORWARD_DELAY"
+
+
+def _injected_delay(rank: int) -> float:
+    """A slow rank for tests: ``HSDP_INJECT_FORWARD_DELAY=RANK:SECONDS`` makes every forward of
+    that rank take that much longer (a long prefill, a slower device)."""
+    target, _, seconds = os.environ.get(DELAY_ENV, "").partition(":")
+    return float(seconds or 0) if target and int(target) == rank else 0.0
 
 
 def _injected_fault(rank: int) -> int | None:

@@ -1,18 +1,21 @@
-"""Rank 0's scheduler: admits requests by KV blocks, places them, plans every rank's step.
+"""Rank 0's scheduler of one replica: admits requests by KV blocks, places them, plans its ranks' steps.
 
 Token ids only: text is the API side's business (``server.detokenize``). Each step:
 
 1. every running sequence that has computed all its tokens decodes one more; one that crosses
    into a new block gets one, and when its rank has none left the youngest sequence there is
    preempted (its blocks freed, its tokens recomputed later), so the cache never overflows;
-2. waiting requests are admitted in arrival order while one fits: the replica with the fewest
-   blocks in use first, then within it the rank holding the longest cached prefix of the prompt,
-   then the fewest blocks in use. All of a prompt's blocks are taken at admission;
+2. waiting requests are admitted in arrival order while one fits: the rank holding the longest
+   cached prefix of the prompt, then the fewest blocks in use. All of a prompt's blocks are
+   taken at admission;
 3. prompts are computed in chunks: at most ``max_prefill_tokens`` prompt tokens per rank per
    step, new requests' first chunks before the rest of longer prompts, while decodes go on.
 
-Runs on rank 0's engine thread; HTTP handlers talk to it only through ``try_submit``, ``cancel``
-and ``finish``, which are thread-safe.
+One per replica (``server.engine.replicas`` routes requests between them), each planning for
+its replica's ranks (``rank_ids``: plans name global ranks) on the rank 0 thread that steps that
+replica; HTTP handlers talk to it only through ``try_submit``, ``cancel`` and ``finish``, which are
+thread-safe. (With ``replicas`` of several groups one scheduler can still plan for all of them
+in one step, as the engine tests do.)
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class RequestHandle:
     num_registered: int = 0  # full blocks entered in the prefix cache
     last_key: bytes = b""  # the prefix key of the last of those
     prompt_scores: list | None = None  # (logprob, top) of prompt tokens 1.., where asked for
+    scheduler: object = None  # the Scheduler it was submitted to (a replica's, behind a ReplicaRouter)
     done: bool = False
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
@@ -102,9 +106,14 @@ class Scheduler:
         max_queued: int = 256,
         idle_wait_s: float = 1.0,
         metrics=None,
+        rank_ids: list[int] | None = None,
     ):
         self.pools = pools
         self.world_size = len(pools)
+        # the global ranks of the pools (a replica's scheduler plans for its own ranks only): plans
+        # name them, results come back from them; inside, ranks are the pools' indices
+        self.rank_ids = list(rank_ids) if rank_ids is not None else list(range(len(pools)))
+        self._local = {rank: i for i, rank in enumerate(self.rank_ids)}
         self.block_size = pools[0].block_size
         self.replicas = replicas
         self.max_running = max_running
@@ -132,6 +141,7 @@ class Scheduler:
         """Queue ``handle`` whatever the load (warm-up); requests go through ``try_submit``."""
         with self._open_lock:
             self._open += 1
+        handle.scheduler = self
         self._inbox.put(("submit", handle))
 
     def try_submit(self, handle: RequestHandle) -> bool:
@@ -140,8 +150,14 @@ class Scheduler:
             if self._open >= self.max_running + self.max_queued:
                 return False
             self._open += 1
+        handle.scheduler = self
         self._inbox.put(("submit", handle))
         return True
+
+    @property
+    def open_requests(self) -> int:
+        """Submitted and not yet finished or cancelled."""
+        return self._open
 
     def cancel(self, handle: RequestHandle) -> None:
         """The client went away: free the sequence at the next step."""
@@ -194,6 +210,10 @@ class Scheduler:
         if self._shutdown.is_set() and time.monotonic() > self._shutdown_deadline:
             self.fail_all("the server is shutting down: the shutdown timeout cut this request short")
         plan.shutdown = self._shutdown.is_set() and not self._running and not self._waiting
+        if self.rank_ids != list(range(self.world_size)):  # pools' indices to global ranks
+            plan.work = {self.rank_ids[r]: work for r, work in plan.work.items()}
+            for add in plan.add:
+                add.rank = self.rank_ids[add.rank]
         return plan
 
     def _drain_inbox(self, block: bool) -> None:
@@ -373,9 +393,10 @@ class Scheduler:
     # -- results -----------------------------------------------------------------------------
     def on_results(self, results: list[StepResult]) -> None:
         for result in results:
-            self.rank_stats[result.rank] = result
+            local = self._local[result.rank]
+            self.rank_stats[local] = result
             if result.memory is not None:
-                self.rank_memory[result.rank] = result.memory
+                self.rank_memory[local] = result.memory
             for scores in result.prompt_logprobs:
                 handle = self._running.get(scores.seq_id)
                 if handle is not None and handle.prompt_scores is not None:  # (a recomputation: the same again)

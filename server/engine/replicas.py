@@ -1,0 +1,108 @@
+"""Independent replicas: one scheduler per replica (shard group), one router in front of them.
+
+Each replica runs its own steps: its scheduler plans for its ranks only, its ranks enter a
+forward only when it has work (an idle replica runs none), and a replica's slow step (a long
+prefill) delays no other replica. :class:`ReplicaRouter` is what rank 0's HTTP side sees: the
+one scheduler interface (``try_submit``, ``cancel``, ``finish``, counts, per-rank stats in global
+rank order), each request placed on a replica when it arrives:
+
+1. the replica holding the longest cached prefix of the prompt (on any of its ranks);
+2. then the one with the fewest open requests (running and queued: they are the work it owes);
+3. then the one with the most free KV blocks.
+
+Within the replica its scheduler places the sequence on a rank by blocks and prefix, as before.
+The bound on open requests (``--max-concurrent-requests`` + ``--max-queued-requests``) holds
+over the whole group; each replica may run its share of the concurrent requests.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from server.engine.blocks import chain_hashes
+from server.engine.scheduler import RequestHandle, Scheduler
+
+
+class ReplicaRouter:
+    def __init__(self, schedulers: list[Scheduler], *, max_running: int, max_queued: int):
+        self.schedulers = schedulers
+        self.replicas = [list(s.rank_ids) for s in schedulers]
+        flat = [rank for replica in self.replicas for rank in replica]
+        if flat != list(range(len(flat))):
+            raise ValueError(f"replicas must cover ranks 0..n-1 in order, got {self.replicas}")
+        self.pools = [pool for s in schedulers for pool in s.pools]
+        self.world_size = len(self.pools)
+        self.block_size = schedulers[0].block_size
+        self.max_prefill_tokens = schedulers[0].max_prefill_tokens
+        self.max_running, self.max_queued = max_running, max_queued
+        self._lock = threading.Lock()
+
+    # -- placement -----------------------------------------------------------------------------
+    def _choose(self, handle: RequestHandle) -> Scheduler:
+        if len(self.schedulers) == 1:
+            return self.schedulers[0]
+        tokens = handle.tokens
+        usable = (len(tokens) - 1) // self.block_size
+        keys = chain_hashes(tokens[: usable * self.block_size], self.block_size) if usable else []
+
+        def score(s: Scheduler):
+            cached = max((len(pool.match_prefix(keys)) for pool in s.pools), default=0) if keys else 0
+            return (cached, -s.open_requests, sum(pool.num_available for pool in s.pools))
+
+        return max(self.schedulers, key=score)
+
+    def try_submit(self, handle: RequestHandle) -> bool:
+        with self._lock:  # the bound holds over every replica
+            if sum(s.open_requests for s in self.schedulers) >= self.max_running + self.max_queued:
+                return False
+            self._choose(handle).submit(handle)
+        return True
+
+    def submit(self, handle: RequestHandle) -> None:
+        with self._lock:
+            self._choose(handle).submit(handle)
+
+    def cancel(self, handle: RequestHandle) -> None:
+        if handle.scheduler is not None:
+            handle.scheduler.cancel(handle)
+
+    def finish(self, handle: RequestHandle) -> None:
+        if handle.scheduler is not None:
+            handle.scheduler.finish(handle)
+
+    def request_shutdown(self, timeout_s: float = float("inf")) -> None:
+        for s in self.schedulers:
+            s.request_shutdown(timeout_s)
+
+    def fail_all(self, message: str) -> None:
+        for s in self.schedulers:
+            s.fail_all(message)
+
+    # -- what the HTTP side reads ---------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return sum(s.num_running for s in self.schedulers)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(s.num_waiting for s in self.schedulers)
+
+    @property
+    def preemptions(self) -> int:
+        return sum(s.preemptions for s in self.schedulers)
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        return max(s.max_sequence_tokens for s in self.schedulers)
+
+    @property
+    def rank_stats(self) -> list:
+        """Every rank's latest step result, in global rank order."""
+        return [stat for s in self.schedulers for stat in s.rank_stats]
+
+    @property
+    def rank_memory(self) -> list:
+        return [memory for s in self.schedulers for memory in s.rank_memory]
+
+    def replica_of(self, rank: int) -> int:
+        return next(i for i, ranks in enumerate(self.replicas) if rank in ranks)
