@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from loaders.errors import CheckpointError, CorruptFileError, MissingConfigError, MissingTokenizerError
-from loaders.safetensors_io import TensorInfo, read_header
+from loaders.safetensors_io import TensorInfo, read_header, read_remote_header
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -24,6 +24,7 @@ class CheckpointFiles:
     directory: str
     files: list[str]  # absolute paths
     tensors: dict[str, tuple[str, TensorInfo]]  # checkpoint key -> (file, info)
+    remote: dict = field(default_factory=dict)  # url -> loaders.remote.RemoteFile, for s3:// files
 
     @property
     def total_bytes(self) -> int:
@@ -54,6 +55,9 @@ def load_config(model_dir: str):
 
 def list_checkpoint_files(model_dir: str) -> CheckpointFiles:
     """Read the index (or the single file) and every header; validate that they agree."""
+    from loaders.remote import remote_files
+
+    remote = remote_files(model_dir)  # an s3:// checkpoint: the weights stay in the store
     index_path = os.path.join(model_dir, INDEX_FILE)
     if os.path.isfile(index_path):
         try:
@@ -64,7 +68,7 @@ def list_checkpoint_files(model_dir: str) -> CheckpointFiles:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CorruptFileError(f"malformed index: {e}", path=index_path) from e
         names = list(dict.fromkeys(weight_map.values()))  # first-appearance order
-    elif os.path.isfile(os.path.join(model_dir, SINGLE_FILE)):
+    elif os.path.isfile(os.path.join(model_dir, SINGLE_FILE)) or SINGLE_FILE in (remote or {}):
         weight_map, names = None, [SINGLE_FILE]
     else:
         if any(n.endswith((".bin", ".pt", ".pth")) for n in os.listdir(model_dir)):
@@ -73,11 +77,19 @@ def list_checkpoint_files(model_dir: str) -> CheckpointFiles:
     files: list[str] = []
     tensors: dict[str, tuple[str, TensorInfo]] = {}
     for name in names:
-        path = os.path.join(model_dir, name)
-        if not os.path.isfile(path):
-            raise CorruptFileError("file listed in the index is missing", path=path)
+        if remote is not None:
+            if name not in remote:
+                source = json.load(open(os.path.join(model_dir, "remote.json"))).get("source", model_dir)
+                raise CorruptFileError("file listed in the index is missing from the store",
+                                       path=f"{source.rstrip('/')}/{name}")
+            path, header = remote[name].url, read_remote_header(remote[name])
+        else:
+            path = os.path.join(model_dir, name)
+            if not os.path.isfile(path):
+                raise CorruptFileError("file listed in the index is missing", path=path)
+            header = read_header(path)
         files.append(path)
-        for key, info in read_header(path).items():
+        for key, info in header.items():
             if weight_map is not None and weight_map.get(key) != name:
                 # The index is authoritative; a stray copy elsewhere is not read.
                 continue
@@ -87,10 +99,9 @@ def list_checkpoint_files(model_dir: str) -> CheckpointFiles:
     if weight_map is not None:
         for key, name in weight_map.items():
             if key not in tensors:
-                raise CorruptFileError(
-                    "tensor listed in the index is not in its file", path=os.path.join(model_dir, name), tensor=key
-                )
-    return CheckpointFiles(model_dir, files, tensors)
+                where = remote[name].url if remote is not None and name in remote else os.path.join(model_dir, name)
+                raise CorruptFileError("tensor listed in the index is not in its file", path=where, tensor=key)
+    return CheckpointFiles(model_dir, files, tensors, remote={f.url: f for f in remote.values()} if remote else {})
 
 
 def has_tokenizer(model_dir: str) -> bool:

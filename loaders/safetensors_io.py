@@ -66,6 +66,30 @@ def read_header(path: str) -> dict[str, TensorInfo]:
             raw = f.read(header_len)
     except OSError as e:
         raise CorruptFileError(f"cannot read safetensors file: {e.strerror or e}", path=path) from e
+    return parse_header(raw, size, path)
+
+
+def read_remote_header(remote) -> dict[str, TensorInfo]:
+    """The header of a :class:`loaders.remote.RemoteFile`: one ranged GET of its first 64 KiB,
+    a second for the rest of a longer header."""
+    from loaders.remote import HEADER_PROBE_BYTES
+
+    path, size = remote.url, remote.size
+    if size < 8:
+        raise CorruptFileError("object too short for a safetensors header", path=path)
+    head = remote.read(0, min(size, HEADER_PROBE_BYTES))
+    (header_len,) = struct.unpack("<Q", head[:8])
+    if header_len > min(_MAX_HEADER_BYTES, size - 8):
+        raise CorruptFileError(f"header length {header_len} exceeds the object", path=path)
+    raw = head[8:8 + header_len]
+    if len(raw) < header_len:
+        raw += remote.read(len(head), header_len - len(raw))
+    return parse_header(raw, size, path)
+
+
+def parse_header(raw: bytes, size: int, path: str) -> dict[str, TensorInfo]:
+    """The tensors a header describes, checked against a file of ``size`` bytes."""
+    header_len = len(raw)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -100,16 +124,22 @@ def read_header(path: str) -> dict[str, TensorInfo]:
     return infos
 
 
-def read_rows(fd: int, info: TensorInfo, start: int, stop: int, *, path: str, pin_memory: bool = False) -> torch.Tensor:
+def read_rows(source, info: TensorInfo, start: int, stop: int, *, path: str, pin_memory: bool = False,
+              concurrency: int = 8) -> torch.Tensor:
     """Rows ``[start, stop)`` of ``info`` along dim 0 (the whole tensor when it has no dims), into
-    page-locked memory with ``pin_memory`` (so a copy to a GPU can run asynchronously)."""
+    page-locked memory with ``pin_memory`` (so a copy to a GPU can run asynchronously). ``source``:
+    a file descriptor (positioned reads) or a :class:`loaders.remote.RemoteFile` (ranged GETs,
+    ``concurrency`` at once for a large read)."""
     if info.shape:
         shape = (stop - start, *info.shape[1:])
         offset, nbytes = info.start + start * info.row_bytes, (stop - start) * info.row_bytes
     else:
         shape, offset, nbytes = (), info.start, info.nbytes
     out = torch.empty(shape, dtype=info.dtype, pin_memory=pin_memory)
-    if nbytes:
+    if nbytes and not isinstance(source, int):
+        source.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()), offset, concurrency)
+    elif nbytes:
+        fd = source
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         done = 0
         while done < nbytes:

@@ -125,7 +125,9 @@ def _agree(error: BaseException | None, stage: str) -> None:
 class _StreamingLoad:
     """One load: plan the units, stream the files, shard each unit as it completes."""
 
-    def __init__(self, model: nn.Module, context: HSDPShardContext, files, *, read_mode, may_cast, stats, progress):
+    def __init__(self, model: nn.Module, context: HSDPShardContext, files, *, read_mode, may_cast, stats, progress,
+                 load_concurrency: int = 8):
+        self.load_concurrency = load_concurrency
         self.model, self.context, self.files = model, context, files
         self.read_mode, self.may_cast, self.stats = read_mode, may_cast, stats
         self.progress = progress
@@ -218,7 +220,8 @@ class _StreamingLoad:
         entries = sorted(
             ((key, info) for key, (p, info) in self.files.tensors.items() if p == path), key=lambda e: e[1].start
         )
-        fd = os.open(path, os.O_RDONLY)
+        remote = self.files.remote.get(path)  # an s3:// object: ranged GETs instead of reads
+        fd = remote if remote is not None else os.open(path, os.O_RDONLY)
         try:
             for key, info in entries:
                 self._read_tensor(fd, path, key, info)
@@ -226,7 +229,8 @@ class _StreamingLoad:
                 if self.progress is not None:
                     self.progress(bar.n, bar.total)
         finally:
-            os.close(fd)
+            if remote is None:
+                os.close(fd)
         self.stats.files_read += 1
 
     def _read_tensor(self, fd: int, path: str, key: str, info) -> None:
@@ -256,7 +260,8 @@ class _StreamingLoad:
         else:
             start, stop = 0, (info.shape[0] if info.shape else 0)
         # Page-locked whenever the ranks compute on a GPU: FSDP's CPU offload pins its host shards too.
-        data = read_rows(fd, info, start, stop, path=path, pin_memory=self.context.target_device.type == "cuda")
+        data = read_rows(fd, info, start, stop, path=path, pin_memory=self.context.target_device.type == "cuda",
+                         concurrency=self.load_concurrency)
         self.stats.bytes_read += data.numel() * info.dtype.itemsize
         self.stats.tensors_read += 1
         self._deliver(name, data)
@@ -303,7 +308,8 @@ class _StreamingLoad:
             pattern, index = target.position(key)
             rows = self._rows_of(name, target)
             if rows is None or rows[0] <= index < rows[1]:
-                data = read_rows(fd, info, 0, info.shape[0] if info.shape else 0, path=path)
+                data = read_rows(fd, info, 0, info.shape[0] if info.shape else 0, path=path,
+                                 concurrency=self.load_concurrency)
                 target.collected[pattern][index] = data
                 nbytes = data.numel() * info.dtype.itemsize
                 self.stats.bytes_read += nbytes
@@ -420,8 +426,11 @@ def load_hsdp_model(
     read_mode: str = "sliced",
     progress: Callable[[int, int], None] | None = None,
     require_tokenizer: bool = False,
+    load_concurrency: int = 8,
 ) -> LoadedModel:
-    """Load a local safetensors checkpoint straight into an HSDP-sharded model.
+    """Load a safetensors checkpoint straight into an HSDP-sharded model: a local directory, or
+    one an ``s3://`` URL resolved to (:mod:`loaders.sources.s3`), whose weights every rank then
+    reads from the store, ``load_concurrency`` ranged GETs at once for a large read.
 
     Every rank calls this with the same arguments. ``dtype=None`` keeps the checkpoint's dtype
     (a tensor of another dtype is an error); ``"auto"`` keeps it where the device computes in it
@@ -471,7 +480,8 @@ def load_hsdp_model(
     try:
         with stats.phase("stream"):
             load = _StreamingLoad(
-                model, context, files, read_mode=read_mode, may_cast=may_cast, stats=stats, progress=progress
+                model, context, files, read_mode=read_mode, may_cast=may_cast, stats=stats, progress=progress,
+                load_concurrency=load_concurrency,
             )
             load.run()
     except Exception as e:  # noqa: BLE001

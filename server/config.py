@@ -88,9 +88,9 @@ def env_of(f) -> str:
 @dataclass(kw_only=True)
 class ServeConfig:
     model: str | None = option(
-        None, "checkpoint: a local directory or a Hugging Face repo id (org/name); default: the embedded "
-        "SmolLM2-135M-Instruct (the random-weight demo where that cannot be fetched)", "model",
-        metavar="DIR|ORG/NAME")
+        None, "checkpoint: a local directory, an s3://bucket/prefix or a Hugging Face repo id (org/name); default: the "
+        "embedded SmolLM2-135M-Instruct (the random-weight demo where that cannot be fetched)", "model",
+        metavar="DIR|S3URL|ORG/NAME")
     revision: str | None = option(None, "branch, tag or commit of a Hub repo id (default: main)", "model")
     served_model_name: str | None = option(
         None, "the name OpenAI clients give as `model` (default: the repo id, or the directory's name)", "model",
@@ -105,6 +105,8 @@ class ServeConfig:
                         "a CPU without native support for them", "model", choices=DTYPES)
     read_mode: str = option("sliced", "sliced: each rank reads only its own rows; full: whole tensors", "model",
                             choices=READ_MODES)
+    load_concurrency: int = option(8, "ranged GETs a rank runs at once for a large read of an s3:// checkpoint",
+                                   "model", type=int, metavar="N")
 
     nproc_per_node: int | None = option(
         None, "ranks on this node: a number, or auto (one per visible GPU on cuda, 2 on cpu); torchrun decides "
@@ -192,6 +194,8 @@ class ServeConfig:
             raise ValueError(f"--step-timeout must be >= {MIN_STEP_TIMEOUT_S:g} s, got {self.step_timeout_s:g}")
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        if not 1 <= self.load_concurrency <= 64:
+            raise ValueError(f"--load-concurrency must be in 1..64, got {self.load_concurrency}")
         if self.prefetch_depth < 0:
             raise ValueError(f"--prefetch-depth must be >= 0, got {self.prefetch_depth}")
         if self.resident_units is not None and self.resident_units < -1:

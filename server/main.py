@@ -136,6 +136,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
         loaded = load_hsdp_model(
             source.path, hsdp, device=device, dtype=cfg.torch_dtype or "auto", read_mode=cfg.read_mode,
             progress=state.set_load_progress if state else None, require_tokenizer=True,
+            load_concurrency=cfg.load_concurrency,
         )
         release_freed_memory()  # the load's read buffers (server.memory says why)
         if cfg.prefetch_depth:
@@ -252,7 +253,8 @@ def _drive_other_replicas(state, router, channels, cfg) -> list[threading.Thread
 def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg) -> None:
     """Rank 0: what /info and /metrics report of the loaded group."""
     state.metrics.load_seconds.set(loaded.stats.phase_seconds["total"])
-    state.metrics.loaded_bytes.set(sum(read for read, _, _ in per_rank))
+    for r, (read, _, _) in enumerate(per_rank):
+        state.metrics.loaded_bytes.labels(rank=str(r)).set(read)
     state.load_bytes_read = [read for read, _, _ in per_rank]
     state.residency = dict(residency.as_dict(), extra_bytes_per_rank=[extra for _, extra, _ in per_rank],
                            prefetch_depth=cfg.prefetch_depth,

@@ -40,7 +40,8 @@ class ServerMetrics:
         self.generated_tokens = Counter("hsdp_generated_tokens", "Tokens generated for requests", registry=r)
         self.load_seconds = Gauge("hsdp_load_seconds", "Seconds rank 0 took to load and shard the model",
                                   registry=r)
-        self.loaded_bytes = Gauge("hsdp_loaded_bytes", "Checkpoint bytes read by all ranks together", registry=r)
+        self.loaded_bytes = Gauge("hsdp_loaded_bytes", "Checkpoint bytes each rank read (or fetched from object "
+                                  "storage) at startup", ["rank"], registry=r)
         self.sharded_units = Gauge("hsdp_sharded_units", "FSDP units the model is sharded into", registry=r)
         self.resident_units = Gauge("hsdp_resident_units",
                                     "Units that keep their gathered parameters (--resident-units)", registry=r)

@@ -173,7 +173,8 @@ def test_metrics_move_by_the_right_amounts(served):
     assert delta("hsdp_queue_time_seconds_count") == 3
     assert delta("hsdp_request_duration_seconds_count", endpoint="/generate") == 4
     assert after[("hsdp_running_sequences", ())] == 0
-    assert after[("hsdp_loaded_bytes", ())] > 0 and after[("hsdp_load_seconds", ())] > 0
+    loaded = [after[("hsdp_loaded_bytes", (("rank", str(r)),))] for r in (0, 1)]
+    assert all(b > 0 for b in loaded) and after[("hsdp_load_seconds", ())] > 0
 
 
 def test_timing_headers(served):

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from loaders.sources.hub import HubModelError, download_hub_model, looks_like_repo_id
 
 logger = logging.getLogger(__name__)
-KINDS = ("directory", "hub", "default", "demo")
+KINDS = ("directory", "hub", "default", "demo", "s3")
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class ModelSource:
     name: str
     """The name it is served under unless ``--served-model-name`` says otherwise."""
     kind: str
-    """directory, hub, default, or demo."""
+    """directory, hub, default, demo, or s3."""
 
 
 def resolve_model(spec: str | None, *, revision: str | None = None, cache_dir: str | None = None) -> ModelSource:
@@ -41,6 +41,12 @@ def resolve_model(spec: str | None, *, revision: str | None = None, cache_dir: s
         if revision is not None:
             raise ValueError("--revision applies to a Hugging Face repo id given with --model")
         return _default_or_demo(cache_dir)
+    if spec.startswith("s3://"):
+        if revision is not None:
+            raise ValueError("--revision applies to Hugging Face repo ids, not s3:// checkpoints")
+        from loaders.sources.s3 import resolve_s3
+
+        return ModelSource(resolve_s3(spec, cache_dir), spec.rstrip("/").rsplit("/", 1)[-1], "s3")
     if os.path.isdir(spec):
         if revision is not None:
             raise ValueError(f"--revision applies to Hugging Face repo ids, and {spec} is a local directory")
@@ -52,7 +58,8 @@ def resolve_model(spec: str | None, *, revision: str | None = None, cache_dir: s
         raise ValueError(f"--model {spec}: not a directory (give the checkpoint's directory)")
     if looks_like_repo_id(spec):
         return ModelSource(download_hub_model(spec, revision), spec, "hub")
-    raise ValueError(f"--model {spec}: no such directory, and not a Hugging Face repo id (org/name)")
+    raise ValueError(f"--model {spec}: no such directory, not an s3:// URL, and not a Hugging Face repo id "
+                     "(org/name)")
 
 
 def _default_or_demo(cache_dir: str | None) -> ModelSource:
