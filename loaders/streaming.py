@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -128,6 +129,9 @@ class _StreamingLoad:
     def __init__(self, model: nn.Module, context: HSDPShardContext, files, *, read_mode, may_cast, stats, progress,
                  load_concurrency: int = 8):
         self.load_concurrency = load_concurrency
+        self.bytes_done = 0  # checkpoint bytes processed, for progress
+        # a slow load for tests and demos of progress: seconds per checkpoint tensor
+        self.delay_s = float(os.environ.get("HSDP_INJECT_LOAD_DELAY", "0") or 0)
         self.model, self.context, self.files = model, context, files
         self.read_mode, self.may_cast, self.stats = read_mode, may_cast, stats
         self.progress = progress
@@ -226,14 +230,17 @@ class _StreamingLoad:
             for key, info in entries:
                 self._read_tensor(fd, path, key, info)
                 bar.update(info.nbytes)
+                self.bytes_done += info.nbytes  # (bar.n stays 0 where the bar is disabled: ranks but 0)
                 if self.progress is not None:
-                    self.progress(bar.n, bar.total)
+                    self.progress(self.bytes_done, bar.total)
         finally:
             if remote is None:
                 os.close(fd)
         self.stats.files_read += 1
 
     def _read_tensor(self, fd: int, path: str, key: str, info) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s)
         if key in self.conversions.target_of:
             self._read_source(fd, path, key, info, self.conversions.target_of[key])
             return

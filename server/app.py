@@ -48,6 +48,7 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
                 "bytes_loaded": state.load_done_bytes,
                 "bytes_total": total,
                 "fraction": round(state.load_done_bytes / total, 4) if total else 0.0,
+                "ranks": state.ranks_load_progress(),
             }
         return JSONResponse(body, status_code=200 if state.ready else 503)
 

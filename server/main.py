@@ -135,7 +135,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
         check_servable(load_config(source.path))  # again under torchrun, where no launcher ran it
         loaded = load_hsdp_model(
             source.path, hsdp, device=device, dtype=cfg.torch_dtype or "auto", read_mode=cfg.read_mode,
-            progress=state.set_load_progress if state else None, require_tokenizer=True,
+            progress=_load_progress_reporter(state, rank), require_tokenizer=True,
             load_concurrency=cfg.load_concurrency,
         )
         release_freed_memory()  # the load's read buffers (server.memory says why)
@@ -220,6 +220,36 @@ def serve_rank(cfg: ServeConfig, source) -> None:
             shm_pool.close()
         if http is not None:
             http.should_exit = True
+
+
+LOAD_PROGRESS_EVERY_S = 0.25
+
+
+def _load_progress_reporter(state, rank: int):
+    """The loader's progress callback: every rank writes its ``done,total`` into the group's store
+    (at most every quarter second, and its last) for rank 0's /ready; rank 0 keeps its own too."""
+    from server.state import LOAD_PROGRESS_KEY
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - progress is a nicety: without a store, rank 0's alone
+        store = None
+    if state is not None:
+        state.load_store = store
+    last = [0.0]
+
+    def report(done: int, total: int) -> None:
+        if state is not None:
+            state.set_load_progress(done, total)
+        now = time.monotonic()
+        if store is not None and (now - last[0] >= LOAD_PROGRESS_EVERY_S or done >= total):
+            last[0] = now
+            try:
+                store.set(f"{LOAD_PROGRESS_KEY}{rank}", f"{done},{total}")
+            except Exception:  # noqa: BLE001
+                pass
+
+    return report
 
 
 def _drive_other_replicas(state, router, channels, cfg) -> list[threading.Thread]:

@@ -6,6 +6,8 @@ import threading
 from dataclasses import dataclass, field
 
 PHASES = ("loading", "warming_up", "ready", "draining", "failed")
+LOAD_PROGRESS_KEY = "hsdp/load-progress/"
+"""Each rank's ``done,total`` checkpoint bytes while loading, in the group's store."""
 
 
 @dataclass(kw_only=True)
@@ -52,8 +54,25 @@ class ServerState:
             if failure is not None:
                 self.failure = failure
 
+    load_store: object | None = field(default=None, repr=False)  # the group's store: every rank's load progress
+
     def set_load_progress(self, done: int, total: int) -> None:
         self.load_done_bytes, self.load_total_bytes = done, total
+
+    def ranks_load_progress(self) -> list[dict]:
+        """Every rank's load progress as it last reported it (``server.main``: through the store)."""
+        out = []
+        for rank in range(self.world_size):
+            key = f"{LOAD_PROGRESS_KEY}{rank}"
+            entry: dict = {"rank": rank, "bytes_loaded": 0, "bytes_total": None, "fraction": 0.0}
+            try:
+                if self.load_store is not None and self.load_store.check([key]):
+                    done, total = (int(x) for x in self.load_store.get(key).decode().split(","))
+                    entry.update(bytes_loaded=done, bytes_total=total, fraction=round(done / total, 4) if total else 0.0)
+            except Exception:  # noqa: BLE001 - a probe answers whatever happens
+                pass
+            out.append(entry)
+        return out
 
     @property
     def model_name(self) -> str:

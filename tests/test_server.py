@@ -28,7 +28,8 @@ PROMPTS = [
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
     path = write_checkpoint(root / "llama", "llama")
-    server = ServerProcess(path, log_path=root / "server.log")
+    # a slowed load (20 ms a tensor), so that /ready is seen reporting the ranks' progress
+    server = ServerProcess(path, log_path=root / "server.log", env={"HSDP_INJECT_LOAD_DELAY": "0.02"})
     try:
         ready_trace = server.poll_ready()
         yield server, path, ready_trace
@@ -72,6 +73,13 @@ def test_ready_moves_from_loading_to_ready(served):
     not_ready = [body for status, body in trace if status == 503]
     assert not_ready and not_ready[0]["phase"] == "loading" and "progress" in not_ready[0]
     assert {body["phase"] for body in not_ready} <= {"loading", "warming_up"}
+    # every rank's own progress, from the group's store: both move, and both reach the end
+    ranks = [body["progress"]["ranks"] for body in not_ready if body["phase"] == "loading"]
+    assert all([r["rank"] for r in seen] == [0, 1] for seen in ranks)
+    for rank in (0, 1):
+        fractions = [seen[rank]["fraction"] for seen in ranks]
+        assert fractions == sorted(fractions) and len(set(fractions)) >= 3, fractions
+        assert fractions[-1] == 1.0 or not_ready[-1]["phase"] == "warming_up"
 
 
 def test_health_and_info(served):
