@@ -11,6 +11,17 @@ Methods, each in a fresh set of spawned processes (gloo, FileStore rendezvous):
 
 Per rank: time to ready, peak resident and anonymous memory added over the idle process, bytes read.
 Prints one JSON line per method, then one with the ratios to the baselines and whether the targets hold.
+
+With ``--source s3`` the checkpoint is put in an S3 API server this script starts on loopback
+(moto's, the test dependency; or any store named by AWS_ENDPOINT_URL with --bucket), and the
+methods are
+  s3-sliced        load_hsdp_model on the s3:// checkpoint: each rank fetches its rows
+  s3-full          the same with read_mode="full": each rank fetches whole tensors
+  s3-download      boto3 downloads every file to local disk first (once, rank 0, the others
+                   waiting), then load_hsdp_model reads the local copy (sliced)
+time to ready counting the fetch of the small files (config, index, tokenizer) and, for
+s3-download, the download; ratios to s3-download. moto is one Python process: its throughput,
+not the network's, bounds every method here, so read the ratios, not the GB/s.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from tests.dist import run_ranks, values
 
 DEFAULT_OUT_DIR = os.path.expanduser("~/.cache/hsdp-serve/bench-llama-1.5g")
 METHODS = ("sliced", "full", "from_pretrained", "dcp")
+S3_METHODS = ("s3-sliced", "s3-full", "s3-download")
 RUN_TIMEOUT_S = 600
 RSS_SLACK, FP_TIME_TARGET, DCP_TIME_TARGET = 1.1, 0.5, 1.0
 
@@ -149,6 +161,64 @@ def load_with_loader(model_dir: str, read_mode: str):
     return loaded.model, {"bytes_read": stats["bytes_read"], "phase_seconds": stats["phase_seconds"]}
 
 
+def load_from_s3(url: str, read_mode: str, rank: int):
+    """``--model s3://...`` as the server does it: the small files once per node (rank 0 here, the
+    other ranks waiting), then every rank fetching from the store."""
+    import torch.distributed as dist
+
+    from loaders.sources import resolve_model
+
+    box = [resolve_model(url, cache_dir=tempfile.mkdtemp(prefix="bench-s3-")).path if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return load_with_loader(box[0], read_mode)
+
+
+def load_downloaded(url: str, rank: int):
+    """Download every object to local disk first (rank 0; the others wait), then load locally."""
+    import boto3
+    import torch.distributed as dist
+
+    from loaders.remote import parse_s3_url
+
+    box = [None]
+    if rank == 0:
+        bucket, prefix = parse_s3_url(url)
+        s3 = boto3.client("s3")
+        target = tempfile.mkdtemp(prefix="bench-s3-download-")
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+            for obj in page.get("Contents", []):
+                s3.download_file(bucket, obj["Key"], os.path.join(target, obj["Key"][len(prefix) + 1:]))
+        box[0] = target
+    dist.broadcast_object_list(box, src=0)
+    try:
+        return load_with_loader(box[0], "sliced")
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
+
+
+def start_s3(model_dir: str, bucket: str) -> tuple[str, object]:
+    """A moto S3 server on loopback holding ``model_dir`` under ``bucket``/model (the AWS_*
+    variables set for this process and the ranks it spawns); the URL and the server."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from tests.server_process import free_port
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
+                       "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"})
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket=bucket)
+    for name in sorted(os.listdir(model_dir)):
+        if os.path.isfile(os.path.join(model_dir, name)):
+            s3.upload_file(os.path.join(model_dir, name), bucket, f"model/{name}")
+    return f"s3://{bucket}/model", server
+
+
 def load_from_pretrained(model_dir: str):
     from transformers import AutoModelForCausalLM
 
@@ -201,12 +271,16 @@ def run_rank(rank: int, world_size: int, method: str, model_dir: str, profile_pa
 
     result: dict = {"rank": rank}
     # Import the model's modeling module (Python code only, no weights): a server has it loaded already.
-    AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(model_dir))]
+    if not model_dir.startswith("s3://"):
+        AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(model_dir))]
     load = {
         "sliced": lambda: load_with_loader(model_dir, "sliced"),
         "full": lambda: load_with_loader(model_dir, "full"),
         "from_pretrained": lambda: load_from_pretrained(model_dir),
         "dcp": lambda: load_dcp(model_dir),
+        "s3-sliced": lambda: load_from_s3(model_dir, "sliced", rank),
+        "s3-full": lambda: load_from_s3(model_dir, "full", rank),
+        "s3-download": lambda: load_downloaded(model_dir, rank),
     }[method]
     dist.barrier()
 
@@ -330,27 +404,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--repeats", type=int, default=2, help="rounds; each runs every method once")
     parser.add_argument("--profile", metavar="DIR", help="write a cProfile of each rank's load to DIR")
+    parser.add_argument("--source", choices=("local", "s3"), default="local",
+                        help="s3: the checkpoint in an S3 API server on loopback, the s3-* methods")
+    parser.add_argument("--bucket", default="hsdp-bench")
     args = parser.parse_args(argv)
+    if args.source == "s3" and args.methods == ",".join(METHODS):
+        args.methods = ",".join(S3_METHODS)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if unknown := set(methods) - set(METHODS):
-        parser.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+    if unknown := set(methods) - set(METHODS + S3_METHODS):
+        parser.error(f"unknown methods {sorted(unknown)}; choose from {METHODS + S3_METHODS}")
 
     model_dir = os.path.abspath(args.model or generate_checkpoint(args.out_dir))
     info = describe_checkpoint(model_dir)
     log(f"{model_dir}: {info}; warmed {warm_page_cache(model_dir) / 1e9:.2f} GB of page cache")
+    s3_server = None
+    source = model_dir
+    if args.source == "s3":
+        source, s3_server = start_s3(model_dir, args.bucket)
+        log(f"uploaded to {source} ({os.environ['AWS_ENDPOINT_URL']})")
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
 
     rounds: dict[str, list[list[dict]]] = {m: [] for m in methods}
     checks: dict[str, list[dict]] = {m: [] for m in methods}
-    ref_method = "from_pretrained" if "from_pretrained" in methods else methods[0]
+    ref_method = ("from_pretrained" if "from_pretrained" in methods else
+                  "s3-download" if "s3-download" in methods else methods[0])
     reference = None
     for i in range(args.repeats):
         # The reference first in each round, the others interleaved so that noise hits them alike.
         for method in [ref_method] + [m for m in methods if m != ref_method]:
             profile = os.path.join(args.profile, f"{method}-round{i}") if args.profile else None
             # A forward of 8 tokens in the first round; shard checksums in every round.
-            results, logits = run_method(method, model_dir, args.nproc, profile, run_forward=i == 0)
+            results, logits = run_method(method, source if method.startswith("s3-") else model_dir, args.nproc,
+                                         profile, run_forward=i == 0)
             checksums = [r["checksum"] for r in results]
             if reference is None:
                 reference = (method, logits, checksums)
@@ -365,7 +451,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(s), flush=True)
     ratios = compute_ratios(summaries)
     ratios.update(largest_unit=info["largest_unit"], largest_unit_bytes=info["largest_unit_bytes"])
+    if "s3-download" in summaries:
+        base = summaries["s3-download"]["best_time_to_ready_s"]
+        for method in ("s3-sliced", "s3-full"):
+            if method in summaries:
+                ratios["ratios"][f"{method}_time_over_s3-download"] = round(
+                    summaries[method]["best_time_to_ready_s"] / base, 3)
     print(json.dumps(ratios), flush=True)
+    if s3_server is not None:
+        s3_server.stop()
     return 0 if ratios["all_correct"] else 1
 
 

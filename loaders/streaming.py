@@ -123,6 +123,44 @@ def _agree(error: BaseException | None, stage: str) -> None:
             raise exc
 
 
+class _Prefetch:
+    """Ranged GETs for the next ``load.load_concurrency`` tensors of a remote file, in file order,
+    started before their turn (a store's latency is paid once per window, not once per tensor).
+    Bounded: at most that many reads in flight or waiting to be taken."""
+
+    def __init__(self, load: _StreamingLoad, remote, path: str, entries):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.load, self.remote, self.path = load, remote, path
+        self.window = max(1, load.load_concurrency)
+        self.pool = ThreadPoolExecutor(self.window, thread_name_prefix="hsdp-prefetch")
+        self.plan = [(key, info, rows) for key, info in entries
+                     if (rows := load._planned_rows(key, info)) is not None]
+        self.next = 0
+        self.futures: dict[tuple[str, int, int], object] = {}
+        self._fill()
+
+    def _fill(self) -> None:
+        pin = self.load.context.target_device.type == "cuda"
+        while len(self.futures) < self.window and self.next < len(self.plan):
+            key, info, (start, stop) = self.plan[self.next]
+            self.next += 1
+            # one GET per tensor here: the window is the concurrency
+            self.futures[key, start, stop] = self.pool.submit(
+                read_rows, self.remote, info, start, stop, path=self.path, pin_memory=pin, concurrency=1)
+
+    def take(self, key: str, start: int, stop: int) -> torch.Tensor | None:
+        future = self.futures.pop((key, start, stop), None)
+        if future is None:
+            return None
+        data = future.result()
+        self._fill()
+        return data
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 class _StreamingLoad:
     """One load: plan the units, stream the files, shard each unit as it completes."""
 
@@ -130,6 +168,7 @@ class _StreamingLoad:
                  load_concurrency: int = 8):
         self.load_concurrency = load_concurrency
         self.bytes_done = 0  # checkpoint bytes processed, for progress
+        self._prefetch: _Prefetch | None = None
         # a slow load for tests and demos of progress: seconds per checkpoint tensor
         self.delay_s = float(os.environ.get("HSDP_INJECT_LOAD_DELAY", "0") or 0)
         self.model, self.context, self.files = model, context, files
@@ -226,6 +265,8 @@ class _StreamingLoad:
         )
         remote = self.files.remote.get(path)  # an s3:// object: ranged GETs instead of reads
         fd = remote if remote is not None else os.open(path, os.O_RDONLY)
+        if remote is not None:  # GETs for the next tensors in flight while this one is sharded
+            self._prefetch = _Prefetch(self, remote, path, entries)
         try:
             for key, info in entries:
                 self._read_tensor(fd, path, key, info)
@@ -236,6 +277,9 @@ class _StreamingLoad:
         finally:
             if remote is None:
                 os.close(fd)
+            else:
+                self._prefetch.close()
+                self._prefetch = None
         self.stats.files_read += 1
 
     def _read_tensor(self, fd: int, path: str, key: str, info) -> None:
@@ -267,11 +311,39 @@ class _StreamingLoad:
         else:
             start, stop = 0, (info.shape[0] if info.shape else 0)
         # Page-locked whenever the ranks compute on a GPU: FSDP's CPU offload pins its host shards too.
-        data = read_rows(fd, info, start, stop, path=path, pin_memory=self.context.target_device.type == "cuda",
-                         concurrency=self.load_concurrency)
+        data = self._fetch(fd, path, key, info, start, stop)
         self.stats.bytes_read += data.numel() * info.dtype.itemsize
         self.stats.tensors_read += 1
         self._deliver(name, data)
+
+    def _fetch(self, fd, path: str, key: str, info, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of ``key``: prefetched where a GET for them is in flight, else read now."""
+        prefetched = self._prefetch.take(key, start, stop) if self._prefetch is not None else None
+        if prefetched is not None:
+            return prefetched
+        return read_rows(fd, info, start, stop, path=path, pin_memory=self.context.target_device.type == "cuda",
+                         concurrency=self.load_concurrency)
+
+    def _planned_rows(self, key: str, info) -> tuple[int, int] | None:
+        """The rows :meth:`_read_tensor` will read of checkpoint tensor ``key``, decided as it
+        decides; None where it reads none or where only reading tells (an alias, a mismatch: those
+        are read, or refused, when their turn comes)."""
+        n = info.shape[0] if info.shape else 0
+        if key in self.conversions.target_of:
+            target = self.conversions.target_of[key]
+            name = self._model_key(target.name)
+            if name is None or name not in self.layout.expected:
+                return None
+            _, index = target.position(key)
+            rows = self._rows_of(name, target)
+            return (0, n) if rows is None or rows[0] <= index < rows[1] else None
+        name = self._model_key(self.conversions.renamed.get(key, key))
+        expected = self.layout.expected.get(name) if name is not None else None
+        if expected is None or name in self.layout.aliases or tuple(expected.shape) != info.shape:
+            return None
+        if self.read_mode == "sliced" and self._is_sharded(name):
+            return shard_rows(info.shape[0], self.shard_size, self.shard_rank)
+        return 0, n
 
     def _check_dtype(self, expected: torch.Tensor, info, path: str, key: str) -> None:
         if expected.dtype != info.dtype and not (
@@ -315,8 +387,7 @@ class _StreamingLoad:
             pattern, index = target.position(key)
             rows = self._rows_of(name, target)
             if rows is None or rows[0] <= index < rows[1]:
-                data = read_rows(fd, info, 0, info.shape[0] if info.shape else 0, path=path,
-                                 concurrency=self.load_concurrency)
+                data = self._fetch(fd, path, key, info, 0, info.shape[0] if info.shape else 0)
                 target.collected[pattern][index] = data
                 nbytes = data.numel() * info.dtype.itemsize
                 self.stats.bytes_read += nbytes
