@@ -196,3 +196,23 @@ async def collect_all(streams: list[RequestStream], request) -> list[list[TokenE
             if not consumer.done():
                 consumer.cancel()  # its events() finally cancels the sequence
     return collected
+
+
+def open_streams(state: ServerState, prompts: list[list[int]], params: SamplingParams, copies: int,
+                 stop: list[str]) -> list[RequestStream]:
+    """``copies`` streams per prompt (OpenAI's ``n``, TGI's ``best_of``), stream ``i * copies + j``;
+    where seeded, copy j samples with seed + j, so that copies differ and each replays. All or none
+    are submitted (a 429 part way cancels those already in)."""
+    from dataclasses import replace
+
+    streams: list[RequestStream] = []
+    try:
+        for ids in prompts:
+            for j in range(copies):
+                seeded = params if j == 0 or params.seed is None else replace(params, seed=params.seed + j)
+                streams.append(RequestStream(state, ids, seeded, stop))
+    except BaseException:
+        for stream in streams:
+            state.scheduler.cancel(stream.handle)
+        raise
+    return streams

@@ -44,14 +44,13 @@ from server.api.openai.serving import (
     cut_at_stop,
     finish_reason,
     merged,
-    open_streams,
     sampling_params,
     usage,
 )
 from server.api.openai.tools import StreamingToolParser
 from server.engine.scheduler import TokenEvent
 from server.errors import GenerationError, InputValidationError, UnavailableError, error_body
-from server.generation import RequestStream, check_admission, check_token_ids, collect_all
+from server.generation import RequestStream, check_admission, check_token_ids, collect_all, open_streams
 from server.state import ServerState
 
 
@@ -110,7 +109,7 @@ def build_openai_router(state: ServerState) -> APIRouter:
         params = sampling_params(state, req, max_new, req.logprobs or 0)
         if scored:
             params = replace(params, prompt_logprobs=req.logprobs)
-        streams = open_streams(state, prompts, params, req)
+        streams = open_streams(state, prompts, params, req.n, req.stop_list)
         texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in req.prompts]
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         decode = state.tokenizer.decode
@@ -191,7 +190,7 @@ def build_openai_router(state: ServerState) -> APIRouter:
         if kind in ("required", "named"):
             tool_grammar = _tool_grammar(state, renderer, offered, several=kind == "required" and req.parallel_tool_calls)
         params = sampling_params(state, req, max_new, top, tool_grammar)
-        streams = open_streams(state, [prompt_ids], params, req)
+        streams = open_streams(state, [prompt_ids], params, req.n, req.stop_list)
         declared = {t.function.name for t in offered}
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

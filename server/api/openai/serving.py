@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 from server.api.openai.protocol import Usage
 from server.engine.sampling import SamplingParams
@@ -121,22 +120,6 @@ def usage(streams: list[RequestStream], n: int) -> Usage:
     prompt = sum(len(s.handle.prompt_ids) for s in streams[::n])
     completion = sum(s.num_tokens for s in streams)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-def open_streams(state: ServerState, prompts: list[list[int]], params: SamplingParams, req) -> list[RequestStream]:
-    """``req.n`` streams per prompt, choice ``i * n + j``; a seeded request's choice j samples with
-    seed + j, so its choices differ and each replays. All or none are submitted."""
-    streams: list[RequestStream] = []
-    try:
-        for ids in prompts:
-            for j in range(req.n):
-                choice_params = params if j == 0 or params.seed is None else replace(params, seed=params.seed + j)
-                streams.append(RequestStream(state, ids, choice_params, req.stop_list))
-    except BaseException:
-        for stream in streams:
-            state.scheduler.cancel(stream.handle)
-        raise
-    return streams
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, TokenEvent]]:

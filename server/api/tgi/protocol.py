@@ -107,17 +107,9 @@ class InputToken(BaseModel):
     logprob: float | None = None
 
 
-class BestOfSequence(BaseModel):
-    generated_text: str
-    finish_reason: FinishReason
-    generated_tokens: int
-    seed: int | None = None
-    prefill: list[InputToken] = Field(default_factory=list)
-    tokens: list[Token] = Field(default_factory=list)
-    top_tokens: list[list[Token]] | None = None
+class SequenceDetails(BaseModel):
+    """What TGI reports of one generated sequence."""
 
-
-class Details(BaseModel):
     finish_reason: FinishReason
     generated_tokens: int
     seed: int | None = None
@@ -126,6 +118,13 @@ class Details(BaseModel):
     tokens: list[Token] = Field(default_factory=list)
     top_tokens: list[list[Token]] | None = None
     """With ``top_n_tokens``: the most likely tokens at each step."""
+
+
+class BestOfSequence(SequenceDetails):
+    generated_text: str
+
+
+class Details(SequenceDetails):
     best_of_sequences: list[BestOfSequence] | None = None
     """With ``best_of`` > 1: the other sequences sampled."""
 

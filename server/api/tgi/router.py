@@ -9,10 +9,8 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from dataclasses import replace
-
 from server.errors import GenerationError, InputValidationError, error_body
-from server.generation import RequestStream, check_admission, collect_all, compile_grammar
+from server.generation import RequestStream, check_admission, collect_all, compile_grammar, open_streams
 from server.api.tgi.protocol import (
     BestOfSequence,
     CompatGenerateRequest,
@@ -61,16 +59,7 @@ def _start(state: ServerState, body: GenerateRequest) -> tuple[list[RequestStrea
         frequency_penalty=p.frequency_penalty or None, seed=p.seed, top_logprobs=p.top_n_tokens or 0,
         grammar=grammar, prompt_logprobs=0 if p.decoder_input_details else None,
     )
-    streams: list[RequestStream] = []
-    try:
-        for j in range(best_of):
-            seeded = params if j == 0 or params.seed is None else replace(params, seed=params.seed + j)
-            streams.append(RequestStream(state, prompt_ids, seeded, p.stop))
-    except BaseException:
-        for stream in streams:
-            state.scheduler.cancel(stream.handle)
-        raise
-    return streams, prompt_ids, time.monotonic() - start
+    return open_streams(state, [prompt_ids], params, best_of, p.stop), prompt_ids, time.monotonic() - start
 
 
 def _prefill(state: ServerState, prompt_ids: list[int], event: TokenEvent) -> list[InputToken]:
