@@ -16,7 +16,8 @@ pytest.importorskip("moto", reason="moto[server] is a test dependency (pyproject
 @pytest.fixture(scope="module")
 def s3(checkpoints, tmp_path_factory):
     """A moto S3 server with the llama checkpoint under models/llama, a truncated copy under
-    models/truncated and one whose index names a missing file under models/missing."""
+    models/truncated, one whose index names a missing file under models/missing and one whose
+    index names a tensor its file lacks under models/phantom."""
     import boto3
     from moto.server import ThreadedMotoServer
 
@@ -41,6 +42,13 @@ def s3(checkpoints, tmp_path_factory):
             s3.put_object(Bucket=BUCKET, Key=f"truncated/{name}", Body=data[:-100] if name == weights[0] else data)
             if name != weights[-1]:
                 s3.put_object(Bucket=BUCKET, Key=f"missing/{name}", Body=data)
+            if name == "model.safetensors.index.json":  # an index naming a tensor its file lacks
+                import json
+
+                index = json.loads(data)
+                index["weight_map"]["model.layers.0.phantom.weight"] = weights[0]
+                data = json.dumps(index).encode()
+            s3.put_object(Bucket=BUCKET, Key=f"phantom/{name}", Body=data)
         yield {"env": env, "source": source, "weights": weights, "files": names}
     finally:
         server.stop()
@@ -123,6 +131,7 @@ def test_throttling_is_retried(s3, references, tmp_path):
     ("denied", ["access refused", "s3://models/llama/"]),
     ("truncated", ["truncated", "s3://models/truncated/"]),
     ("missing", ["missing", "s3://models/missing/"]),
+    ("phantom", ["model.layers.0.phantom.weight", "not in its file", "s3://models/phantom/"]),
 ])
 def test_what_retrying_cannot_mend_is_one_clear_error(s3, tmp_path, case, words):
     prefix = "llama" if case == "denied" else case
