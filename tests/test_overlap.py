@@ -278,3 +278,19 @@ def test_a_crashed_jobs_shared_memory_is_swept_by_the_next_start(tmp_path):
     removed = sweep_stale(str(tmp_path))
     assert sorted(removed) == sorted(str(dirs[n]) for n in ("crashed", "no-pids-old"))
     assert dirs["alive"].exists() and dirs["starting"].exists() and (tmp_path / "other-file").exists()
+
+
+def test_exits_that_skip_atexit_still_remove_this_processes_shared_memory(tmp_path):
+    """The step watchdog and the orphaned torchrun worker leave by os._exit, which skips atexit:
+    they call remove_owned_now() first, which removes every directory the pools and shared
+    weights of this process registered."""
+    from shard_engine import remove_owned_now
+    from shard_engine.shm_all_gather import own
+
+    dirs = [tmp_path / "hsdp-a-g0", tmp_path / "hsdp-a-w0"]
+    for d in dirs:
+        d.mkdir()
+        (d / "slot0-1").write_bytes(b"x")
+        own(str(d))
+    remove_owned_now()
+    assert not any(d.exists() for d in dirs)
