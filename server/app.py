@@ -15,6 +15,7 @@ from server.api.openai.router import build_openai_router
 from server.state import ServerState
 from server.api.tgi.router import build_tgi_router
 from server.api.tokenize import build_tokenize_router
+from server.ui import build_ui_router
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 
@@ -26,6 +27,7 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
     app.include_router(build_tgi_router(state))
     app.include_router(build_openai_router(state))
     app.include_router(build_tokenize_router(state))
+    app.include_router(build_ui_router())
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -13,6 +13,13 @@ from server.errors import APIError, AuthenticationError, BodyTooLargeError, erro
 from server.metrics import ServerMetrics
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+"""Open to any method without a key: the probes and metrics."""
+
+
+def is_open(method: str, path: str) -> bool:
+    """What needs no key: the probes and metrics, and GET of the page (``/``) and its assets
+    (``/ui/...``); ``POST /`` (TGI's compat route) is guarded like every other route."""
+    return path in OPEN_PATHS or (method in ("GET", "HEAD") and (path == "/" or path.startswith("/ui/")))
 
 
 class GuardMiddleware:
@@ -48,7 +55,7 @@ class GuardMiddleware:
             self.metrics.request_duration.labels(endpoint).observe(time.perf_counter() - start)
 
     def _check_key(self, scope, path: str) -> APIError | None:
-        if not self.api_key or path in OPEN_PATHS:
+        if not self.api_key or is_open(scope.get("method", "GET"), path):
             return None
         headers = dict(scope.get("headers") or ())
         given = headers.get(b"authorization", b"").decode("latin-1")
