@@ -79,7 +79,8 @@ def list_checkpoint_files(model_dir: str) -> CheckpointFiles:
     for name in names:
         if remote is not None:
             if name not in remote:
-                source = json.load(open(os.path.join(model_dir, "remote.json"))).get("source", model_dir)
+                with open(os.path.join(model_dir, "remote.json")) as f:
+                    source = json.load(f).get("source", model_dir)
                 raise CorruptFileError("file listed in the index is missing from the store",
                                        path=f"{source.rstrip('/')}/{name}")
             path, header = remote[name].url, read_remote_header(remote[name])

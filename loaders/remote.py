@@ -83,6 +83,7 @@ class RemoteFile:
 
     url: str
     size: int
+    etag: str | None = None  # as listed: every GET asks for this version (If-Match)
 
     @property
     def bucket_key(self) -> tuple[str, str]:
@@ -117,17 +118,28 @@ class RemoteFile:
             raise CorruptFileError(f"the object is truncated: bytes {offset}-{offset + n - 1} asked of {self.size}",
                                    path=self.url)
         bucket, key = self.bucket_key
+        extra = {"IfMatch": self.etag} if self.etag else {}
         try:
-            response = client().get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + n - 1}")
+            response = client().get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + n - 1}", **extra)
             body = response["Body"]
             done = 0
-            while done < n:
-                chunk = body.read(min(n - done, 1 << 20))
-                if not chunk:
-                    break
-                view[done:done + len(chunk)] = chunk
-                done += len(chunk)
+            try:
+                while done < n:
+                    chunk = body.read(min(n - done, 1 << 20))
+                    if not chunk:
+                        break
+                    view[done:done + len(chunk)] = chunk
+                    done += len(chunk)
+            finally:
+                body.close()
         except ClientError as e:
+            code = e.response.get("Error", {}).get("Code", "")
+            if code == "PreconditionFailed":
+                raise CheckpointError("the object changed while loading (its ETag is not the one listed)",
+                                      path=self.url) from e
+            if code == "InvalidRange":
+                raise CorruptFileError(f"the object is truncated: bytes {offset}-{offset + n - 1} are past its end",
+                                       path=self.url) from e
             raise describe_client_error(e, self.url) from e
         except BotoCoreError as e:
             raise CheckpointError(f"cannot reach the store: {e}", path=self.url) from e
@@ -144,6 +156,7 @@ def remote_files(model_dir: str) -> dict[str, RemoteFile] | None:
     try:
         with open(path) as f:
             entries = json.load(f)["files"]
-        return {name: RemoteFile(entry["url"], int(entry["size"])) for name, entry in entries.items()}
+        return {name: RemoteFile(entry["url"], int(entry["size"]), entry.get("etag"))
+                for name, entry in entries.items()}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CorruptFileError(f"malformed {REMOTE_FILE}: {e}", path=path) from e

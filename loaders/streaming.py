@@ -124,9 +124,10 @@ def _agree(error: BaseException | None, stage: str) -> None:
 
 
 class _Prefetch:
-    """Ranged GETs for the next ``load.load_concurrency`` tensors of a remote file, in file order,
-    started before their turn (a store's latency is paid once per window, not once per tensor).
-    Bounded: at most that many reads in flight or waiting to be taken."""
+    """Ranged GETs for the next tensors of a remote file, in file order, started before their turn
+    (a store's latency is paid once per window, not once per tensor). Bounded: at most
+    ``load.load_concurrency`` reads and :data:`PREFETCH_BYTES` in flight or waiting to be taken;
+    a planned read whose turn passed without it (read directly instead) is dropped."""
 
     def __init__(self, load: _StreamingLoad, remote, path: str, entries):
         from concurrent.futures import ThreadPoolExecutor
@@ -136,29 +137,47 @@ class _Prefetch:
         self.pool = ThreadPoolExecutor(self.window, thread_name_prefix="hsdp-prefetch")
         self.plan = [(key, info, rows) for key, info in entries
                      if (rows := load._planned_rows(key, info)) is not None]
+        self.position = {key: i for i, (key, _, _) in enumerate(self.plan)}
         self.next = 0
-        self.futures: dict[tuple[str, int, int], object] = {}
+        self.futures: dict[int, tuple[tuple[int, int], int, object]] = {}  # plan position -> rows, bytes, future
         self._fill()
 
     def _fill(self) -> None:
         pin = self.load.context.target_device.type == "cuda"
-        while len(self.futures) < self.window and self.next < len(self.plan):
+        while self.next < len(self.plan) and len(self.futures) < self.window:
             key, info, (start, stop) = self.plan[self.next]
-            self.next += 1
+            nbytes = (stop - start) * info.row_bytes if info.shape else info.nbytes
+            if self.futures and sum(b for _, b, _ in self.futures.values()) + nbytes > PREFETCH_BYTES:
+                return
             # one GET per tensor here: the window is the concurrency
-            self.futures[key, start, stop] = self.pool.submit(
-                read_rows, self.remote, info, start, stop, path=self.path, pin_memory=pin, concurrency=1)
+            future = self.pool.submit(read_rows, self.remote, info, start, stop, path=self.path, pin_memory=pin,
+                                      concurrency=1)
+            self.futures[self.next] = ((start, stop), nbytes, future)
+            self.next += 1
 
     def take(self, key: str, start: int, stop: int) -> torch.Tensor | None:
-        future = self.futures.pop((key, start, stop), None)
-        if future is None:
+        position = self.position.get(key)
+        if position is None:
             return None
-        data = future.result()
+        for earlier in [p for p in self.futures if p < position]:  # their turn passed: read directly
+            self.futures.pop(earlier)[2].cancel()
+        self.next = max(self.next, position)
+        entry = self.futures.pop(position, None)
+        data = None
+        if entry is not None and entry[0] == (start, stop):
+            data = entry[2].result()
+        elif entry is not None:
+            entry[2].cancel()
+        self.next = max(self.next, position + 1)
         self._fill()
         return data
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+PREFETCH_BYTES = 512 << 20
+"""A rank's prefetched bytes at most (one read is always allowed, however large)."""
 
 
 class _StreamingLoad:

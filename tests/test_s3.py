@@ -49,6 +49,7 @@ def s3(checkpoints, tmp_path_factory):
                 index["weight_map"]["model.layers.0.phantom.weight"] = weights[0]
                 data = json.dumps(index).encode()
             s3.put_object(Bucket=BUCKET, Key=f"phantom/{name}", Body=data)
+            s3.put_object(Bucket=BUCKET, Key=f"changed/{name}", Body=data)
         yield {"env": env, "source": source, "weights": weights, "files": names}
     finally:
         server.stop()
@@ -138,6 +139,21 @@ def test_what_retrying_cannot_mend_is_one_clear_error(s3, tmp_path, case, words)
     model_dir = _local_dir(f"s3://{BUCKET}/{prefix}", tmp_path)
     (r,) = values(run_ranks(_load_and_generate, 1, tmp_path, model_dir, case, timeout=300))
     assert "error" in r and all(w in r["error"] for w in words), r
+
+
+def test_an_object_replaced_after_listing_is_refused_not_mixed(s3, tmp_path):
+    """Every GET asks for the version listed (If-Match its ETag): an object overwritten in place
+    with another of the same size is an error, not a load that mixes two versions."""
+    import boto3
+
+    model_dir = _local_dir(f"s3://{BUCKET}/changed", tmp_path)
+    name = s3["weights"][0]
+    with open(os.path.join(s3["source"], name), "rb") as f:
+        data = bytearray(f.read())
+    data[-1] ^= 0xFF  # the same size, another last byte
+    boto3.client("s3").put_object(Bucket=BUCKET, Key=f"changed/{name}", Body=bytes(data))
+    (r,) = values(run_ranks(_load_and_generate, 1, tmp_path, model_dir, None, timeout=300))
+    assert "error" in r and "changed while loading" in r["error"] and f"changed/{name}" in r["error"], r
 
 
 def test_a_missing_prefix_or_bucket_is_refused_before_loading(s3, tmp_path):

@@ -25,6 +25,8 @@ TEXTS = {
     "arguments as a string": '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>',
     "content around": '  lead\n\n<tool_call>{"name": "add", "arguments": {"a": [1, 2]}} </tool_call>\n\nMore\n',
     "broken json": '<tool_call>{"name": add}</tool_call>',
+    "a bad escape in the name": '<tool_call>\n{"name": "f\\q", "arguments": {"x": 1}}\n</tool_call>',
+    "a key after the arguments": '<tool_call>\n{"name": "add", "arguments": {"x": 1}, "id": "z"}\n</tool_call>',
 }
 EXPECTED = {
     "content then a call": ("Sure.", [("get_weather", '{"city": "Paris", "n": {"a": 1}}')]),
@@ -35,6 +37,8 @@ EXPECTED = {
     "arguments as a string": (None, [("add", '{"a": 1}')]),
     "content around": ("  lead\n\nMore", [("add", '{"a": [1, 2]}')]),
     "broken json": ('<tool_call>{"name": add}</tool_call>', []),
+    "a bad escape in the name": ('<tool_call>\n{"name": "f\\q", "arguments": {"x": 1}}\n</tool_call>', []),
+    "a key after the arguments": (None, [("add", '{"x": 1}')]),
 }
 
 
@@ -136,3 +140,14 @@ def test_a_template_with_tools_gets_them_and_arguments_as_objects(tmp_path):
     assert read_chat_template(template) == template  # inline
     with pytest.raises(ChatTemplateError, match="not a readable file"):
         read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_a_streamed_call_that_breaks_is_not_counted_as_a_call():
+    """Announced (its head streamed), then its JSON breaks: its text follows as content and the
+    parser does not count it, so finish_reason is not tool_calls, as for the whole answer."""
+    text = '<tool_call>\n{"name": "add", "arguments": {"x": 1}}}\n</tool_call>'
+    assert HERMES.parse(text, DECLARED) == (text, [])
+    parser = StreamingToolParser(HERMES, DECLARED)
+    deltas = [d for i in range(0, len(text), 3) for d in parser.feed(text[i:i + 3])] + parser.feed("", final=True)
+    assert parser.calls == [] and parser.broken == 1
+    assert "".join(d.content for d in deltas if d.content) == text

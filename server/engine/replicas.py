@@ -6,7 +6,9 @@ prefill) delays no other replica. :class:`ReplicaRouter` is what rank 0's HTTP s
 one scheduler interface (``try_submit``, ``cancel``, ``finish``, counts, per-rank stats in global
 rank order), each request placed on a replica when it arrives:
 
-1. the replica holding the longest cached prefix of the prompt (on any of its ranks);
+0. among the replicas whose KV pools can ever hold the sequence,
+1. the replica holding the longest cached prefix of the prompt (on any of its ranks), counted only
+   while it has room in its share of the running requests;
 2. then the one with the fewest open requests (running and queued: they are the work it owes);
 3. then the one with the most free KV blocks.
 
@@ -46,10 +48,14 @@ class ReplicaRouter:
         keys = chain_hashes(tokens[: usable * self.block_size], self.block_size) if usable else []
 
         def score(s: Scheduler):
-            cached = max((len(pool.match_prefix(keys)) for pool in s.pools), default=0) if keys else 0
+            # a cached prefix counts only while the replica has room in its running share: a
+            # shared system prompt must not send every request to one replica while another idles
+            room = s.open_requests < s.max_running
+            cached = max((len(pool.match_prefix(keys)) for pool in s.pools), default=0) if keys and room else 0
             return (cached, -s.open_requests, sum(pool.num_available for pool in s.pools))
 
-        return max(self.schedulers, key=score)
+        fitting = [s for s in self.schedulers if s.fits_ever(len(tokens))] or self.schedulers
+        return max(fitting, key=score)
 
     def try_submit(self, handle: RequestHandle) -> bool:
         with self._lock:  # the bound holds over every replica

@@ -110,8 +110,8 @@ class ToolCallFormat:
         if isinstance(args, str):  # some models write the arguments as a JSON string
             return call["name"], args
         head = _NAME_FIRST.match(body)
-        if head is not None and body[head.end():].lstrip().startswith("{"):
-            raw = _args_of(body[head.end():])
+        if head is not None:
+            raw = _value_text(body[head.end():].lstrip())
             if raw is not None and _loads(raw) == args:
                 return call["name"], raw
         return call["name"], json.dumps(args, ensure_ascii=False)
@@ -147,19 +147,22 @@ _NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:ar
 _OUTER_END = re.compile(r"\s*\}?\s*$")
 
 
+def _value_text(text: str) -> str | None:
+    """The text of the complete JSON object ``text`` starts with, or None while it is incomplete."""
+    if not text.startswith("{"):
+        return None
+    try:
+        _, end = json.JSONDecoder().raw_decode(text)
+    except ValueError:
+        return None
+    return text[:end]
+
+
 def _loads(text: str):
     try:
         return json.loads(text)
     except ValueError:
         return None
-
-
-def _args_of(rest: str) -> str | None:
-    """The arguments' text in the rest of a call body after its head: up to the outer ``}``."""
-    rest = rest.strip()
-    if not rest.endswith("}"):
-        return None
-    return rest[:-1].rstrip()
 
 
 FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (ToolCallFormat(),)}
@@ -186,14 +189,16 @@ class StreamingToolParser:
     names a declared function, all but what may still be the call's closing brace.
 
     One case differs from the whole response: a call whose head was streamed but whose JSON then
-    does not parse (a model stopped by ``max_tokens`` inside it): its text also follows as content."""
+    does not parse (a model stopped by ``max_tokens`` inside it, a close tag inside a string): its
+    text also follows as content, and it is not counted among the calls (``finish_reason``)."""
 
     def __init__(self, fmt: ToolCallFormat, declared: set[str]):
         self.fmt, self.declared = fmt, declared
         self.buffer = ""  # text received, not yet handed out
         self.held_space = ""  # whitespace that ended the content so far
         self.in_call = False
-        self.calls: list[ToolCall] = []
+        self.calls: list[ToolCall] = []  # the calls read, as the whole answer reads them
+        self.broken = 0  # calls announced in the stream whose JSON then broke: text, as parse() reads them
         self.open_call: ToolCall | None = None  # the call whose head has been sent
         self.args_start: int | None = None  # where its arguments begin in the buffer (-1: not streamable)
         self.sent_args = 0
@@ -226,6 +231,10 @@ class StreamingToolParser:
             self.buffer = "" if end < 0 else self.buffer[end + len(self.fmt.close_tag):]
             self.in_call = False
 
+    @property
+    def _index(self) -> int:
+        return len(self.calls) + self.broken
+
     def _content(self, out: list[ToolDelta], text: str) -> None:
         if not text:
             return
@@ -243,28 +252,32 @@ class StreamingToolParser:
             rest = self.buffer[head.end():]
             if not rest.strip():
                 return  # what follows the head decides
-            name = json.loads(f'"{head.group(1)}"')
-            if name not in self.declared or not rest.lstrip().startswith("{"):
+            name = _loads(f'"{head.group(1)}"')
+            if not isinstance(name, str) or name not in self.declared or not rest.lstrip().startswith("{"):
                 self.args_start = -1  # sent whole when it closes
                 return
             self.args_start = head.end() + len(rest) - len(rest.lstrip())
             self.open_call = ToolCall(name, "")
             self.held_space = ""  # content's trailing whitespace before a call is dropped
-            out.append(ToolDelta(index=len(self.calls), id=self.open_call.id, name=name, arguments=""))
+            out.append(ToolDelta(index=self._index, id=self.open_call.id, name=name, arguments=""))
         if self.args_start < 0:
             return
         rest = self.buffer[self.args_start:]
-        rest = rest[: len(rest) - _partial_tag(rest, self.fmt.close_tag)]
-        certain = rest[: _OUTER_END.search(rest).start()]
+        complete = _value_text(rest)
+        if complete is not None:  # the arguments are whole: nothing after them is theirs
+            certain = complete
+        else:
+            rest = rest[: len(rest) - _partial_tag(rest, self.fmt.close_tag)]
+            certain = rest[: _OUTER_END.search(rest).start()]
         if len(certain) > self.sent_args:
-            out.append(ToolDelta(index=len(self.calls), arguments=certain[self.sent_args:]))
+            out.append(ToolDelta(index=self._index, arguments=certain[self.sent_args:]))
             self.sent_args = len(certain)
 
     def _close_call(self, out: list[ToolDelta], body: str, closed: bool) -> None:
         read = self.fmt.read_call(body, self.declared)
         if read is None:  # text after all, as parse() reads it
             if self.open_call is not None:
-                self.calls.append(self.open_call)  # announced already: it stays, as sent
+                self.broken += 1  # announced already: its index stays taken, but it is no call
             self._content(out, self.fmt.open_tag + body + (self.fmt.close_tag if closed else ""))
             return
         name, arguments = read
@@ -272,12 +285,12 @@ class StreamingToolParser:
         call = self.open_call
         if call is None:
             call = ToolCall(name, arguments)
-            out.append(ToolDelta(index=len(self.calls), id=call.id, name=name, arguments=arguments))
+            out.append(ToolDelta(index=self._index, id=call.id, name=name, arguments=arguments))
         else:
             sent = body[self.args_start:self.args_start + self.sent_args]
             rest = arguments[len(sent):] if arguments.startswith(sent) else ""
             if rest:
-                out.append(ToolDelta(index=len(self.calls), arguments=rest))
+                out.append(ToolDelta(index=self._index, arguments=rest))
             call.arguments = arguments
         self.calls.append(call)
 
