@@ -10,7 +10,8 @@ character, as the replacement characters a whole decode gives), concatenate to w
 ``tokenizer.decode(all ids, skip_special_tokens=True)`` returns.
 
 :class:`StopSequences` finds a stop sequence in the text as it grows, looking only at the new
-piece and the few characters before it.
+piece and the few characters before it; :func:`held_back` says how much of a text's end may still
+become one of some strings (a stop sequence, a tool-call tag), for streams that hold it back.
 """
 
 from __future__ import annotations
@@ -85,3 +86,15 @@ class StopSequences:
         if not ends:
             return None
         return max(0, min(ends) - (len(window) - len(piece)))
+
+
+def held_back(text: str, targets) -> int:
+    """Characters at the end of ``text`` that may still become one of ``targets`` (the longest
+    proper prefix of one of them that ``text`` ends with)."""
+    keep = 0
+    for target in targets:
+        for n in range(min(len(target) - 1, len(text)), keep, -1):
+            if target.startswith(text[-n:]):
+                keep = n
+                break
+    return keep

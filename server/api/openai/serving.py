@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from server.api.openai.protocol import Usage
+from server.detokenize import held_back
 from server.engine.sampling import SamplingParams
 from server.engine.scheduler import TokenEvent
 from server.errors import InputValidationError, ModelNotFoundError
@@ -82,17 +83,6 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
     return text[: min(cuts)] if cuts else text
 
 
-def _held_back(text: str, stops: list[str]) -> int:
-    """Characters at the end of ``text`` that may still become a stop sequence."""
-    keep = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), keep, -1):
-            if stop.startswith(text[-n:]):
-                keep = n
-                break
-    return keep
-
-
 class TextDeltas:
     """Streamed text never shows a stop sequence, nor the part of one that may still complete.
     Only what is held back is looked at again: the cost per token does not grow with the text."""
@@ -106,7 +96,7 @@ class TextDeltas:
         if len(visible) < len(held):  # a stop sequence: nothing after it is shown
             self.held = ""
             return visible
-        keep = 0 if event.finish is not None else _held_back(held, self.stops)
+        keep = 0 if event.finish is not None else held_back(held, self.stops)
         self.held = held[len(held) - keep:] if keep else ""
         return held[: len(held) - keep]
 

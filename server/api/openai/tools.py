@@ -24,6 +24,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from server.detokenize import held_back
+
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
@@ -211,7 +213,7 @@ class StreamingToolParser:
             if not self.in_call:
                 start = self.buffer.find(self.fmt.open_tag)
                 if start < 0:
-                    keep = 0 if final else _partial_tag(self.buffer, self.fmt.open_tag)
+                    keep = 0 if final else held_back(self.buffer, (self.fmt.open_tag,))
                     self._content(out, self.buffer[: len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     if final and not self.calls and self.held_space:
@@ -267,7 +269,7 @@ class StreamingToolParser:
         if complete is not None:  # the arguments are whole: nothing after them is theirs
             certain = complete
         else:
-            rest = rest[: len(rest) - _partial_tag(rest, self.fmt.close_tag)]
+            rest = rest[: len(rest) - held_back(rest, (self.fmt.close_tag,))]
             certain = rest[: _OUTER_END.search(rest).start()]
         if len(certain) > self.sent_args:
             out.append(ToolDelta(index=self._index, arguments=certain[self.sent_args:]))
@@ -293,11 +295,3 @@ class StreamingToolParser:
                 out.append(ToolDelta(index=self._index, arguments=rest))
             call.arguments = arguments
         self.calls.append(call)
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """Characters at the end of ``text`` that may be the start of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
