@@ -325,10 +325,7 @@ class _StreamingLoad:
                 f"checkpoint shape {list(info.shape)} != model shape {list(expected.shape)}", path=path, tensor=key
             )
         self._check_dtype(expected, info, path, key)
-        if self.read_mode == "sliced" and self._is_sharded(name):
-            start, stop = shard_rows(info.shape[0], self.shard_size, self.shard_rank)
-        else:
-            start, stop = 0, (info.shape[0] if info.shape else 0)
+        start, stop = self._rows_to_read(name, info)
         # Page-locked whenever the ranks compute on a GPU: FSDP's CPU offload pins its host shards too.
         data = self._fetch(fd, path, key, info, start, stop)
         self.stats.bytes_read += data.numel() * info.dtype.itemsize
@@ -353,16 +350,24 @@ class _StreamingLoad:
             name = self._model_key(target.name)
             if name is None or name not in self.layout.expected:
                 return None
-            _, index = target.position(key)
-            rows = self._rows_of(name, target)
-            return (0, n) if rows is None or rows[0] <= index < rows[1] else None
+            return (0, n) if self._reads_source(name, target, target.position(key)[1]) else None
         name = self._model_key(self.conversions.renamed.get(key, key))
         expected = self.layout.expected.get(name) if name is not None else None
         if expected is None or name in self.layout.aliases or tuple(expected.shape) != info.shape:
             return None
+        return self._rows_to_read(name, info)
+
+    def _rows_to_read(self, name: str, info) -> tuple[int, int]:
+        """The rows of model tensor ``name`` this rank reads: its shard's when sliced, else all."""
         if self.read_mode == "sliced" and self._is_sharded(name):
             return shard_rows(info.shape[0], self.shard_size, self.shard_rank)
-        return 0, n
+        return 0, (info.shape[0] if info.shape else 0)
+
+    def _reads_source(self, name: str, target: ConversionTarget, index: int) -> bool:
+        """Whether this rank reads source ``index`` of a conversion into ``name`` (all of them,
+        unless the conversion keeps rows local: then those of its own rows)."""
+        rows = self._rows_of(name, target)
+        return rows is None or rows[0] <= index < rows[1]
 
     def _check_dtype(self, expected: torch.Tensor, info, path: str, key: str) -> None:
         if expected.dtype != info.dtype and not (
@@ -404,8 +409,7 @@ class _StreamingLoad:
                                             tensor=key)
             self._check_dtype(expected, info, path, key)
             pattern, index = target.position(key)
-            rows = self._rows_of(name, target)
-            if rows is None or rows[0] <= index < rows[1]:
+            if self._reads_source(name, target, index):
                 data = self._fetch(fd, path, key, info, 0, info.shape[0] if info.shape else 0)
                 target.collected[pattern][index] = data
                 nbytes = data.numel() * info.dtype.itemsize
