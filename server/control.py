@@ -3,9 +3,8 @@
 One channel per replica (shard group), each a gloo group of its own of rank 0 and the replica's
 ranks, also when the model's collectives run on NCCL: plans are small pickled objects, and a CPU
 group never queues behind the model's all-gathers. Replica 0 holds rank 0, which steps it from
-its main thread (:func:`run_engine_loop`); every other replica is stepped by a thread of rank 0
-(:func:`drive_replica`) that plans for it and waits for its tokens, so the replicas run their
-steps independently.
+its main thread; every other replica is stepped by a thread of rank 0 that plans for it and waits
+for its tokens (both :func:`run_engine_loop`), so the replicas run their steps independently.
 """
 
 from __future__ import annotations
@@ -52,29 +51,11 @@ def control_channels(timeout_s: float, replicas: list[list[int]]) -> list[Contro
     return channels
 
 
-def drive_replica(channel: ControlChannel, scheduler, watchdog=None) -> None:
-    """Rank 0's thread for a replica it is not in: plan, send, wait for the tokens, until the
-    replica's scheduler plans a shutdown. An idle replica gets an empty plan every idle wait (its
-    ranks' watchdogs and collective timeouts see the group alive) and runs no forward."""
-    clock = time.perf_counter
-    while True:
-        planned = scheduler.next_plan()
-        if watchdog is not None:
-            watchdog.step_started()
-        t0 = clock()
-        channel.broadcast_plan(planned)
-        if planned.shutdown:
-            return
-        results = channel.gather_results(None)
-        if watchdog is not None:
-            watchdog.step_finished()
-        scheduler.on_results(results)
-        if planned.forward:
-            scheduler.observe_step(step_s=clock() - t0, control_s=0.0)
-
-
-def run_engine_loop(engine: RankEngine, channel: ControlChannel, scheduler=None, watchdog=None) -> None:
-    """Step until rank 0 plans a shutdown. Rank 0 passes its scheduler; the others pass None.
+def run_engine_loop(engine: RankEngine | None, channel: ControlChannel, scheduler=None, watchdog=None) -> None:
+    """Step until rank 0 plans a shutdown. Rank 0 passes the replica's scheduler; the others pass
+    None. ``engine`` None: rank 0 stepping a replica it is not in (a thread of its own): it plans,
+    sends and waits for the tokens, and an idle replica gets an empty plan each idle wait (its
+    ranks' watchdogs see the group alive) and runs no forward.
 
     Symmetry: every rank receives every plan and answers it, so all ranks take the same
     number of steps and enter the same forwards. An exception on any rank ends its loop; the
@@ -93,7 +74,7 @@ def run_engine_loop(engine: RankEngine, channel: ControlChannel, scheduler=None,
         if plan.shutdown:
             return
         t1 = clock()
-        result = engine.step(plan)
+        result = engine.step(plan) if engine is not None else None
         t2 = clock()
         results = channel.gather_results(result)
         t3 = clock()
@@ -101,5 +82,7 @@ def run_engine_loop(engine: RankEngine, channel: ControlChannel, scheduler=None,
             watchdog.step_finished()
         if scheduler is not None:
             scheduler.on_results(results)
-            if plan.forward:
+            if plan.forward and engine is not None:
                 scheduler.observe_step(step_s=t2 - t1, control_s=(t1 - t0) + (t3 - t2))
+            elif plan.forward:  # a replica stepped from outside: its step is the whole round trip
+                scheduler.observe_step(step_s=t3 - t0, control_s=0.0)

@@ -256,7 +256,7 @@ def _drive_other_replicas(state, router, channels, cfg) -> list[threading.Thread
     """Rank 0: a thread per replica it is not in, stepping that replica (server.control). A
     failure there (a rank of the replica gone, a step over the timeout) fails the whole group, as
     one on rank 0's own replica does: every open request answered, rank 0 out, non-zero."""
-    from server.control import drive_replica
+    from server.control import run_engine_loop
     from server.watchdog import StepWatchdog
     from shard_engine import remove_owned_now
 
@@ -264,7 +264,7 @@ def _drive_other_replicas(state, router, channels, cfg) -> list[threading.Thread
         watchdog = StepWatchdog(cfg.step_timeout_s, on_timeout=lambda why: _fail_open_requests(state, router, why))
         watchdog.start()
         try:
-            drive_replica(channels[replica], router.schedulers[replica], watchdog)
+            run_engine_loop(None, channels[replica], router.schedulers[replica], watchdog)
         except BaseException as e:  # noqa: BLE001 - the group is broken: down, fast and loudly
             _fail_open_requests(state, router, f"replica {replica}: {type(e).__name__}: {e}")
             logging.shutdown()
