@@ -81,7 +81,7 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
             }
             ranks = []
             for r, s in enumerate(scheduler.rank_stats):
-                entry = {"rank": r, "replica": scheduler.replica_of(r)}
+                entry = {"rank": r, "replica": r // state.mesh_shape[1], "step_group": scheduler.replica_of(r)}
                 if s is not None:
                     entry.update(pid=s.pid, sequences_started=s.sequences_started, tokens_computed=s.tokens_computed,
                                  forwards=s.forwards, active=s.active)

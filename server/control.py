@@ -1,11 +1,12 @@
-"""The control channels: rank 0's plan out to a replica's ranks, their tokens back, once per step.
+"""The control channels: rank 0's plan out to a step group's ranks, their tokens back, once per step.
 
-One channel per replica (shard group), each a gloo group of its own of rank 0 and the replica's
-ranks, also when the model's collectives run on NCCL: plans are small pickled objects, and a CPU
-group never queues behind the model's all-gathers. Replica 0 holds rank 0, which steps it from
-its main thread; every other replica is stepped by a thread of rank 0 that plans for it and waits
-for its tokens (both :func:`run_engine_loop`), so the replicas run their steps independently.
-"""
+A step group is the ranks that enter their forwards together: a replica (shard group) when a
+forward gathers units, each rank alone when every unit is resident (server.main
+``_step_groups``). One channel per group, each a gloo group of its own of rank 0 and the
+group's ranks, also when the model's collectives run on NCCL: plans are small pickled objects,
+and a CPU group never queues behind the model's all-gathers. Rank 0 steps its own group from its
+main thread; every other group is stepped by a thread of rank 0 that plans for it and waits for
+its tokens (both :func:`run_engine_loop`), so the groups run their steps independently."""
 
 from __future__ import annotations
 

@@ -83,6 +83,19 @@ def _replicas(mesh_shape: tuple[int, int]) -> list[list[int]]:
     return [[r * shard + s for s in range(shard)] for r in range(replicate)]
 
 
+def _step_groups(mesh_shape: tuple[int, int], residency) -> list[list[int]]:
+    """The ranks that must enter their forwards together, each group stepped on its own.
+
+    A forward that gathers a unit is a collective over the shard group: its ranks step in
+    lockstep, one group per replica. With every unit resident (the CPU default: one shared copy
+    per host) a forward gathers nothing and runs no collective, so each rank steps alone: a new
+    request waits only for its own rank's step, and no rank waits for a slower one (rank 0 also
+    serves HTTP) at the end of every step."""
+    if len(residency.units) == residency.total_units:
+        return [[rank] for rank in range(mesh_shape[0] * mesh_shape[1])]
+    return _replicas(mesh_shape)
+
+
 def _make_resident(model, cfg: ServeConfig, device):
     """``--resident-units``: ``auto`` makes every unit resident where the shard group can hold them
     in one shared copy per host (CPU ranks of one host, ``--all-gather`` not ``group``) and none
@@ -165,12 +178,12 @@ def serve_rank(cfg: ServeConfig, source) -> None:
                                      ring=shm_pool, ring_sharers=min(local_ranks, mesh_shape[1]),
                                      shared_weights=residency.shared_bytes,
                                      shared_weights_sharers=residency.shared_with)
-        replicas = _replicas(mesh_shape)
-        channels = control_channels(cfg.collective_timeout_s, replicas)
-        channel = next(c for c, ranks in zip(channels, replicas) if rank in ranks)  # this rank's replica's
+        groups = _step_groups(mesh_shape, residency)  # the same on every rank: residency is collective
+        channels = control_channels(cfg.collective_timeout_s, groups)
+        channel = next(c for c, ranks in zip(channels, groups) if rank in ranks)  # this rank's group's
         if rank == 0:
             limits = _resolve_limits(cfg, loaded.config)
-            share = -(-limits.max_concurrent_requests // len(replicas))  # each replica's running bound
+            share = -(-limits.max_concurrent_requests // len(groups))  # each group's running bound
             schedulers = [
                 Scheduler(
                     pools=[BlockPool(per_rank[r][2], cfg.kv_block_size, prefix_caching=cfg.prefix_caching)
@@ -180,7 +193,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
                     max_prefill_tokens=cfg.max_batch_prefill_tokens,
                     eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer), metrics=state.metrics,
                 )
-                for ranks in replicas
+                for ranks in groups
             ]
             scheduler = ReplicaRouter(schedulers, max_running=limits.max_concurrent_requests,
                                       max_queued=limits.max_queued_requests)
@@ -207,7 +220,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
             _ignore_stop_signals()
         watchdog = StepWatchdog(cfg.step_timeout_s, on_timeout=lambda why: _fail_open_requests(state, scheduler, why))
         watchdog.start()
-        drivers = _drive_other_replicas(state, scheduler, channels, cfg) if rank == 0 else []
+        drivers = _drive_other_groups(state, scheduler, channels, cfg) if rank == 0 else []
         run_engine_loop(engine, channel, scheduler.schedulers[0] if rank == 0 else None, watchdog)
         for driver in drivers:
             driver.join()
@@ -252,29 +265,31 @@ def _load_progress_reporter(state, rank: int):
     return report
 
 
-def _drive_other_replicas(state, router, channels, cfg) -> list[threading.Thread]:
-    """Rank 0: a thread per replica it is not in, stepping that replica (server.control). A
-    failure there (a rank of the replica gone, a step over the timeout) fails the whole group, as
-    one on rank 0's own replica does: every open request answered, rank 0 out, non-zero."""
+def _drive_other_groups(state, router, channels, cfg) -> list[threading.Thread]:
+    """Rank 0: a thread per step group it is not in (a replica, or a rank stepping alone),
+    stepping that group (server.control). A failure there (a rank of the group gone, a step over
+    the timeout) fails the whole group of ranks, as one on rank 0's own does: every open request
+    answered, rank 0 out, non-zero."""
     from server.control import run_engine_loop
     from server.watchdog import StepWatchdog
     from shard_engine import remove_owned_now
 
-    def drive(replica: int) -> None:
+    def drive(index: int) -> None:
         watchdog = StepWatchdog(cfg.step_timeout_s, on_timeout=lambda why: _fail_open_requests(state, router, why))
         watchdog.start()
         try:
-            run_engine_loop(None, channels[replica], router.schedulers[replica], watchdog)
+            run_engine_loop(None, channels[index], router.schedulers[index], watchdog)
         except BaseException as e:  # noqa: BLE001 - the group is broken: down, fast and loudly
-            _fail_open_requests(state, router, f"replica {replica}: {type(e).__name__}: {e}")
+            ranks = ",".join(map(str, router.replicas[index]))
+            _fail_open_requests(state, router, f"ranks {ranks}: {type(e).__name__}: {e}")
             logging.shutdown()
             remove_owned_now()
             os._exit(1)
         finally:
             watchdog.stop()
 
-    threads = [threading.Thread(target=drive, args=(r,), name=f"hsdp-replica-{r}", daemon=True)
-               for r in range(1, len(router.schedulers))]
+    threads = [threading.Thread(target=drive, args=(i,), name=f"hsdp-steps-{i}", daemon=True)
+               for i in range(1, len(router.schedulers))]
     for thread in threads:
         thread.start()
     return threads

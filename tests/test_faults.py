@@ -113,9 +113,15 @@ def _provoke(model_dir, tmp_path, extra_args, fault, after_error=lambda ranks: N
     server = ServerProcess(model_dir, log_path=tmp_path / "log", extra_args=(*ROOM, *extra_args))
     try:
         server.poll_ready()
+        # one stream per rank: where each rank steps alone (every unit resident), a rank without
+        # a request of its own runs no forward, and a fault in its forward would never come
         events, first = [], threading.Event()
-        thread = _stream_in_background(server.url, LONG, events, first)
+        threads = [_stream_in_background(server.url, LONG, events, first)]
         assert first.wait(30)
+        threads.append(_stream_in_background(server.url, LONG, events, threading.Event()))
+        deadline = time.monotonic() + 30
+        while sum(kind == "data" for kind, _ in events) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the second stream has its first tokens too
         ranks = rank_pids(server.client)
         assert set(ranks) == {0, 1}
         t0 = time.monotonic()
@@ -127,11 +133,12 @@ def _provoke(model_dir, tmp_path, extra_args, fault, after_error=lambda ranks: N
             except httpx.HTTPError:
                 status = None
             health.append((round(time.monotonic() - t0, 2), status))
-            if thread.is_alive() is False:
+            if not any(thread.is_alive() for thread in threads):
                 break
             time.sleep(0.1)
-        thread.join(max(0.0, 15 - (time.monotonic() - t0)))
-        assert not thread.is_alive(), "the in-flight request hung"
+        for thread in threads:
+            thread.join(max(0.0, 15 - (time.monotonic() - t0)))
+        assert not any(thread.is_alive() for thread in threads), "an in-flight request hung"
         errors = [e for kind, e in events if kind == "data" and "error" in e]
         assert errors or any(kind == "transport" for kind, _ in events), events[-3:]
         after_error(ranks)

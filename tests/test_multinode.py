@@ -128,6 +128,8 @@ def test_two_nodes_serve_exactly_and_a_lost_node_takes_the_group_down(model_dir,
             t.join(60)
         ranks = {r["rank"]: r for r in nodes.client.get("/info").json()["ranks"]}
         assert all(ranks[r]["tokens_computed"] > 0 and ranks[r]["forwards"] > 0 for r in (0, 1)), ranks
+        # a forward gathers across the nodes: the shard group steps as one
+        assert [ranks[r]["step_group"] for r in (0, 1)] == [0, 0], ranks
         # node 1 dies, agent and worker together, while a request streams
         worker1 = ranks[1]["pid"]
         out: dict = {}

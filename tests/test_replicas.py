@@ -1,6 +1,7 @@
-"""Independent replicas (``--replicate-size 2 --shard-size 1``): each replica runs its own steps.
-A slow replica does not delay the other, an idle one runs no forward, and requests are placed by
-cached prefix, then open requests."""
+"""Independent step groups: each runs its own steps. Two replicas (``--replicate-size 2
+--shard-size 1``), and the two ranks of one shard group when every unit is resident (the CPU
+default: a forward runs no collective, so each rank steps alone). A slow group does not delay the
+other, an idle one runs no forward, and requests are placed by cached prefix, then open requests."""
 
 import json
 import threading
@@ -14,12 +15,21 @@ from tests.server_process import ServerProcess
 SLOW_S = 0.4  # every forward of rank 0 (replica 0) takes this much longer
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+LAYOUTS = {
+    # (server arguments, the mesh it makes, each rank's mesh replica)
+    "replicas": (("--replicate-size", "2", "--shard-size", "1"), {"replicate": 2, "shard": 1}, [0, 1]),
+    "resident-shard-group": ((), {"replicate": 1, "shard": 2}, [0, 0]),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def served(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("replicas")
     path = write_checkpoint(root / "llama", "llama")
-    server = ServerProcess(path, extra_args=("--replicate-size", "2", "--shard-size", "1"),
+    args, mesh, replicas = LAYOUTS[request.param]
+    server = ServerProcess(path, extra_args=args,
                            log_path=root / "server.log", env={"HSDP_INJECT_FORWARD_DELAY": f"0:{SLOW_S}"})
+    server.layout = (mesh, replicas)
     try:
         server.poll_ready(timeout=180)
         yield server
@@ -50,8 +60,10 @@ def _stream(server, prompt: str, n: int, out: dict) -> threading.Thread:
 @pytest.mark.slow
 def test_a_slow_replica_does_not_delay_the_other(served):
     info = served.client.get("/info").json()
-    assert info["mesh_shape"] == {"replicate": 2, "shard": 1}
-    assert [(r["rank"], r["replica"]) for r in info["ranks"]] == [(0, 0), (1, 1)]
+    mesh, replicas = served.layout
+    assert info["mesh_shape"] == mesh
+    assert [(r["rank"], r["replica"], r["step_group"]) for r in info["ranks"]] == [(0, replicas[0], 0),
+                                                                                   (1, replicas[1], 1)]
     slow, fast = {}, {}
     slow_thread = _stream(served, "the slow replica", 14, slow)  # both idle: replica 0 takes it
     time.sleep(1.0)  # it is decoding, one token per SLOW_S

@@ -100,6 +100,8 @@ def test_health_and_info(served):
     assert residency == {"units": 6, "of": 6, "names": ["", "model.embed_tokens", "model.layers.0",
                                                         "model.layers.1", "model.layers.2", "lm_head"],
                          "extra_bytes_per_rank": [0, 0], "shared_with": 2, "prefetch_depth": 2, "all_gather": "none"}
+    # nothing gathered, no collective in a forward: each rank steps on its own (tests/test_replicas.py)
+    assert [(r["replica"], r["step_group"]) for r in info["ranks"]] == [(0, 0), (0, 1)]
     for rank in info["ranks"]:
         memory = rank["memory"]
         assert memory["shared_weights"] >= whole and memory["shared_weights_share"] == memory["shared_weights"] // 2

@@ -1,8 +1,11 @@
-"""Independent replicas: one scheduler per replica (shard group), one router in front of them.
+"""Independent step groups: one scheduler per group of ranks that step together, one router in front.
 
-Each replica runs its own steps: its scheduler plans for its ranks only, its ranks enter a
-forward only when it has work (an idle replica runs none), and a replica's slow step (a long
-prefill) delays no other replica. :class:`ReplicaRouter` is what rank 0's HTTP side sees: the
+A step group is a replica (shard group) when a forward gathers units (a collective over the
+shard group), and a single rank when every unit is resident and a forward runs no collective
+(server.main ``_step_groups``); "replica" below means either. Each replica runs its own steps:
+its scheduler plans for its ranks only, its ranks enter a forward only when it has work (an
+idle replica runs none), and a replica's slow step (a long prefill) delays no other replica.
+:class:`ReplicaRouter` is what rank 0's HTTP side sees: the
 one scheduler interface (``try_submit``, ``cancel``, ``finish``, counts, per-rank stats in global
 rank order), each request placed on a replica when it arrives:
 
