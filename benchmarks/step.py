@@ -12,7 +12,8 @@ best of --repeats interleaved rounds:
   sharded    every unit gathers its parameters in its own pre-forward (FSDP2's default)
   prefetch1  each unit's pre-forward starts the next unit's all-gather (asynchronous on gloo)
   prefetch   ... the next two units' (depth 2), all-gathers over gloo
-  shm        prefetch depth 2, all-gathers through shared memory (the server's default on CPU)
+  shm        prefetch depth 2, all-gathers through shared memory, the leaf units through its two-slot
+             unit ring (no copy-out): the server's CPU setting with --resident-units 0
   resident   every unit keeps its gathered parameters (set_resident_units(model, -1))
   shared     every unit resident in one shared copy per host, each rank's shards views of it
              (set_resident_units(model, -1, shared=True): the server's CPU default)
@@ -172,18 +173,17 @@ def rank_body(rank: int, world: int, model_dir: str, batches: list[int], context
         # only ever slows a run down
         for mode in modes[round_ % len(modes):] + modes[:round_ % len(modes)]:
             disable_forward_prefetch(model)
+            if pool is not None:  # a fresh pool per shm round: its unit ring takes the units sharded then
+                _reset_all_gather(model)
+                pool.close()
+                pool = None
             residency = set_resident_units(model, -1 if mode in ("resident", "shared") else 0,
                                            shared=mode == "shared")
             if mode.startswith("prefetch") or mode == "shm":
                 enable_forward_prefetch(model, depth=int(mode.removeprefix("prefetch").removeprefix("shm") or 2))
-            if (mode == "shm") != (pool is not None):
-                if pool is None:
-                    pool = enable_shared_memory_all_gather(model, slots=slots_for_depth(2))
-                    assert pool is not None, "shared memory all-gather not available"
-                else:
-                    _reset_all_gather(model)
-                    pool.close()
-                    pool = None
+            if mode == "shm":
+                pool = enable_shared_memory_all_gather(model, slots=slots_for_depth(2))
+                assert pool is not None, "shared memory all-gather not available"
             results = out["modes"].setdefault(mode, {"resident_extra_bytes": residency.extra_bytes})
             for b in batches:
                 timing = time_decode(model, rank, b, context, steps, vocab,

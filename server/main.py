@@ -158,7 +158,8 @@ def serve_rank(cfg: ServeConfig, source) -> None:
         residency = _make_resident(loaded.model, cfg, device)  # collective: the same on every rank
         if cfg.all_gather == "shm" or (cfg.all_gather == "auto" and len(residency.units) < residency.total_units):
             # (with every unit resident nothing is gathered after startup: auto leaves it be)
-            shm_pool = enable_shared_memory_all_gather(loaded.model, slots=slots_for_depth(cfg.prefetch_depth))
+            shm_pool = enable_shared_memory_all_gather(loaded.model, slots=slots_for_depth(cfg.prefetch_depth),
+                                                       timeout_s=cfg.collective_timeout_s)
             if shm_pool is None and cfg.all_gather == "shm":
                 raise ValueError("--all-gather shm: the ranks cannot share memory (see the log); use auto or group")
         geometry = KVGeometry.of(loaded.model)

@@ -108,6 +108,10 @@ def set_resident_units(model: nn.Module, count: int, *, shared: bool = False,
     if previous is not None:  # shared storage must become private before FSDP may reshard it
         previous.release()
         model._hsdp_shared_weights = None
+    ring = getattr(model, "_hsdp_unit_ring", None)
+    if ring is not None:  # the same for the leaf units' shared slots (shard_engine.shm_all_gather)
+        ring.release()  # they gather through the shared-memory ring again, copy-out and all
+        model._hsdp_unit_ring = None
     residency = Residency(total_units=len(units), units=[names[id(u)] for u in units[:count]])
     if shared and count:
         for unit in units:  # sharing starts from sharded units

@@ -15,6 +15,19 @@ rank issues gather ``j`` (writing its slice) only after its barrier for gather `
 passed, so after every rank issued ``j - d``, which each does only after its own copy-out of
 ``j - 2d``: ``2d + 1`` slots are enough (:func:`slots_for_depth`). Only the ring is held, not
 the model: a few units' worth of shared memory per host.
+
+That gather still copies every unit twice per forward: each rank's shard into the buffer, then
+(FSDP2's copy-out) the whole unit out of it into each parameter's own storage, because the buffer
+is laid out rank by rank and a parameter needs its rows contiguous. For *leaf* units (no unit
+inside them, every parameter sharded by rows, none used outside the unit: an embedding, a
+decoder layer, a head), :class:`UnitRing` removes the copy-out: two shared slots laid out
+parameter by parameter, each unit's gathered parameters permanently views of a slot (FSDP2 sees
+the unit as gathered and leaves it be), and a pre-forward hook in which each rank writes its own
+rows of every parameter into the slot, then a barrier on the shard group. Units take the slots
+in turns in execution order, so a slot is rewritten only after every rank has passed the
+barrier of the unit in between, which each enters after finishing the unit before: two slots
+suffice. Per forward each rank copies its shard once, not the whole model. Other units (the
+root, whose forward spans every other unit) keep the gather above.
 """
 
 from __future__ import annotations
@@ -24,8 +37,10 @@ import contextlib
 import logging
 import math
 import os
+import platform
 import shutil
 import socket
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -35,6 +50,8 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGather
 
 from shard_engine.overlap import fsdp_units, unit_gathered_bytes, unit_param_group
+
+_SLOT_ALIGN = 64
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +83,6 @@ def sweep_stale(root: str = SHM_ROOT, min_age_s: float = STALE_AFTER_S) -> list[
     ``pid-N`` file in the directories it uses) and that are older than ``min_age_s``: what a job
     killed outright (SIGKILL of every rank, a node's agent killed with its workers) left behind.
     Returns what it removed."""
-    import time
-
     removed = []
     try:
         names = os.listdir(root)
@@ -114,6 +129,7 @@ class SharedMemoryPool:
         self._generation = [0] * slots
         self._linked: list[str | None] = [None] * slots  # slot files not yet unlinked
         self.calls = 0
+        self.unit_ring: UnitRing | None = None  # the leaf units' slots, where there are any
         own(directory)
         atexit.register(self.close)  # a process that never closes it still removes its files
 
@@ -142,12 +158,26 @@ class SharedMemoryPool:
             self._linked[slot] = path
         return current[:nbytes].view(dtype)
 
+    def trim(self) -> None:
+        """Drop every buffer: the next gathers map new ones, sized for what they gather. Only
+        between forwards, after every rank has mapped the current files (a gather's barrier)."""
+        for path in self._linked:
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        self._buffers = [None] * self.slots
+        self._linked = [None] * self.slots
+
     @property
     def nbytes(self) -> int:
         """Shared memory the ring maps now (every rank of the host maps the same pages)."""
-        return sum(b.numel() for b in self._buffers if b is not None)
+        ring = self.unit_ring.nbytes if self.unit_ring is not None else 0
+        return sum(b.numel() for b in self._buffers if b is not None) + ring
 
     def close(self) -> None:
+        if self.unit_ring is not None:
+            self.unit_ring.release()
+            self.unit_ring = None
         self._buffers = [None] * self.slots
         disown(self.directory)
         atexit.unregister(self.close)
@@ -170,16 +200,221 @@ class SharedMemoryAllGather(AllGather):
         return dist.barrier(group=group, async_op=async_op)
 
 
+class UnitRing:
+    """Two shared slots that the gathered parameters of the leaf units live in, in turns, laid out
+    parameter by parameter; each rank fills its own rows before a unit runs (module docstring).
+
+    Built by :func:`enable_shared_memory_all_gather` for the units :func:`ring_units` picks, once
+    every rank has mapped both slot files (then unlinked). :meth:`release` gives the units private
+    gathered memory back and resharded, as before; FSDP cannot free shared storage itself, so
+    anything that reshards these units (``set_resident_units``, ``state_dict``) releases it first.
+    """
+
+    SLOTS = 2
+
+    def __init__(self, model: nn.Module, units: list, directory: str, group: dist.ProcessGroup, leader: int,
+                 timeout_s: float = 600.0):
+        import mmap
+
+        self.units, self.group = units, group
+        self._layouts: dict[int, list] = {}  # id(unit) -> [(fsdp_param, offset, numel, dtype)]
+        size = 0
+        for unit in units:
+            param_group = unit_param_group(unit)
+            param_group.lazy_init()  # dtypes (mixed precision) are settled here
+            world = param_group.mesh_info.shard_mesh_size
+            offset, layout = 0, []
+            for fsdp_param in param_group.fsdp_params:
+                dtype = fsdp_param.param_dtype or fsdp_param.orig_dtype
+                numel = fsdp_param._sharded_param_data.numel() * world
+                layout.append((fsdp_param, offset, numel, dtype))
+                offset += -(-numel * dtype.itemsize // _SLOT_ALIGN) * _SLOT_ALIGN
+            self._layouts[id(unit)] = layout
+            size = max(size, offset)
+        self.slot_bytes = max(size, 1)
+        world = dist.get_world_size(group)
+        files = [(os.path.join(directory, f"unit-slot{i}"), self.slot_bytes) for i in range(self.SLOTS)]
+        files.append((os.path.join(directory, "unit-counters"), _COUNTER_STRIDE * 8 * world))
+        problem = None
+        if dist.get_rank() == leader:
+            try:
+                for path, nbytes in files:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                    try:
+                        os.posix_fallocate(fd, 0, nbytes)  # ENOSPC now, not SIGBUS mid-forward
+                    finally:
+                        os.close(fd)
+            except OSError as e:
+                problem = f"cannot create the unit slots: {e}"
+        verdict = [problem]
+        dist.broadcast_object_list(verdict, src=leader, group=group)
+        if verdict[0] is not None:
+            raise OSError(verdict[0])
+        maps = []
+        for path, nbytes in files:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            try:
+                maps.append(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
+            finally:
+                os.close(fd)
+        dist.barrier(group=group)  # every rank has mapped them all: the names can go
+        if dist.get_rank() == leader:
+            for path, _ in files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        self._maps = maps[:self.SLOTS]
+        self._barrier = CounterBarrier(maps[self.SLOTS], dist.get_rank(group), world, group, timeout_s)
+        self._bound: dict[int, int] = {}
+        self._copies: dict[int, tuple[list, list]] = {}  # id(unit) -> (this rank's rows, its shards)
+        for i, unit in enumerate(units):
+            self._bind(unit, i % self.SLOTS)
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+        for unit in units:  # FSDP2 gathers each once, into its slot: from now on it sees them gathered
+            unit.unshard()
+        self._turn = 0
+        self._hooks = [model.register_forward_pre_hook(self._start_forward)]
+        self._hooks += [unit.register_forward_pre_hook(self._filler(unit), prepend=True) for unit in units]
+
+    @property
+    def nbytes(self) -> int:
+        return self.SLOTS * self.slot_bytes if self._maps else 0
+
+    def _bind(self, unit, slot: int) -> None:
+        """Make ``unit``'s gathered parameters views of ``slot``."""
+        from shard_engine.shared_weights import _bind_unsharded
+
+        rows, shards = [], []
+        for fsdp_param, offset, numel, dtype in self._layouts[id(unit)]:
+            whole = torch.frombuffer(self._maps[slot], dtype=dtype, count=numel, offset=offset)
+            fsdp_param.all_gather_outputs = [whole]  # FSDP2 allocates none while one is set
+            if hasattr(fsdp_param, "_unsharded_param"):
+                _bind_unsharded(fsdp_param, whole)
+            shard = fsdp_param._sharded_param_data
+            rank = fsdp_param.mesh_info.shard_mesh_rank
+            rows.append(whole.narrow(0, rank * shard.numel(), shard.numel()))  # its padded rows
+            shards.append(shard)
+        self._bound[id(unit)], self._copies[id(unit)] = slot, (rows, shards)
+
+    def _start_forward(self, module, args) -> None:
+        self._turn = 0  # every forward runs the units in the same order on every rank
+
+    def _filler(self, unit):
+        def fill(module, args) -> None:
+            slot = self._turn % self.SLOTS
+            self._turn += 1
+            if self._bound[id(unit)] != slot:  # an order that differs from the last forward's
+                self._bind(unit, slot)
+            rows, shards = self._copies[id(unit)]
+            torch._foreach_copy_(rows, shards)
+            self._barrier()  # every rank's rows are in: the slot holds the unit
+
+        return fill
+
+    def release(self) -> None:
+        """Private gathered memory for the units again, resharded; the slots unmapped."""
+        from shard_engine.shared_weights import _bind_unsharded
+
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for unit in self.units:
+            for fsdp_param, _, numel, dtype in self._layouts[id(unit)]:
+                private = torch.empty(numel, dtype=dtype)  # never written: FSDP's reshard frees it
+                fsdp_param.all_gather_outputs = [private]
+                _bind_unsharded(fsdp_param, private)
+            unit.set_reshard_after_forward(True, recurse=False)
+            unit.reshard()
+        self.units, self._copies, self._maps = [], {}, []
+        self._barrier.close()
+
+
+_COUNTER_STRIDE = 8  # int64s between two ranks' counters: a cache line each, no false sharing
+_ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+"""x86 makes stores visible in program order (TSO): a rank's rows are in the slot before its
+counter says so, and a reader that saw the counter reads them after it. Elsewhere (Arm's weaker
+model) nothing in Python orders them, and the barrier is the process group's."""
+
+
+class CounterBarrier:
+    """A barrier over one page of shared memory: each rank of the group bumps its own counter and
+    waits until every other rank's has reached it, yielding the processor (and the GIL) while it
+    waits. Where the ranks run in step it costs microseconds; gloo's barrier took ~1.5 ms inside
+    a forward on a 2-core host (its threads wake on a busy core), 20 ms a step for 13 units.
+
+    A peer that never arrives raises :class:`TimeoutError` after ``timeout_s`` (a dead rank is
+    normally seen sooner: the launcher's liveness watch, the step watchdog). Not on x86: the
+    process group's barrier (``_ORDERED_STORES``)."""
+
+    def __init__(self, mapping, rank: int, world: int, group: dist.ProcessGroup, timeout_s: float):
+        self.group, self.timeout_s = group, timeout_s
+        self._mapping = mapping
+        self._view = memoryview(mapping).cast("q")
+        self._mine = rank * _COUNTER_STRIDE
+        self._others = [r * _COUNTER_STRIDE for r in range(world) if r != rank]
+        self.count = 0
+
+    def __call__(self) -> None:
+        if not _ORDERED_STORES:
+            dist.barrier(group=self.group)
+            return
+        self.count += 1
+        view, count = self._view, self.count
+        view[self._mine] = count
+        deadline = None
+        for other in self._others:
+            while view[other] < count:
+                if deadline is None:
+                    deadline = time.monotonic() + self.timeout_s
+                elif time.monotonic() > deadline:
+                    raise TimeoutError(f"a rank of the shard group did not reach the unit barrier in "
+                                       f"{self.timeout_s:.0f} s")
+                time.sleep(0)  # yields the core and the GIL (rank 0's HTTP thread)
+
+    def close(self) -> None:
+        self._view.release()
+        self._mapping = None
+
+
+def ring_units(model: nn.Module) -> list:
+    """The units whose gathered parameters can live in a :class:`UnitRing`: sharded now (not
+    resident), holding no other unit (their forward runs while no other unit's does), every
+    parameter sharded by rows with no all-gather extension, and none of them used by a module
+    outside the unit (a tied head)."""
+    units = fsdp_units(model)
+    chosen = []
+    for unit in units:
+        group = unit_param_group(unit)
+        if group is None or group.is_unsharded or not group._reshard_after_forward:
+            continue
+        inside = {id(m) for m in unit.modules()}
+        if any(id(other) in inside for other in units if other is not unit):
+            continue
+        ok = True
+        for fsdp_param in group.fsdp_params:
+            info = fsdp_param._module_info
+            if (fsdp_param.fsdp_placement.dim != 0 or hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather")
+                    or any(id(m) not in inside for m in (info.module, *info.shared_modules))):
+                ok = False
+                break
+        if ok:
+            chosen.append(unit)
+    return chosen
+
+
 def slots_for_depth(prefetch_depth: int) -> int:
     """Ring slots that keep every gather's buffer intact until each rank has copied out of it."""
     return max(2 * prefetch_depth + 1, 3)
 
 
 def enable_shared_memory_all_gather(model: nn.Module, *, slots: int = 5, run_id: str | None = None,
-                                    min_free_bytes: int | None = None) -> SharedMemoryPool | None:
+                                    min_free_bytes: int | None = None, unit_ring: bool = True,
+                                    timeout_s: float = 600.0) -> SharedMemoryPool | None:
     """Have every FSDP2 unit of ``model`` gather through shared memory, when every rank of its
     shard group can map the same file; returns the pool (close it at the end), or None, having
     changed nothing, where that is not possible (not on CPU, several hosts, /dev/shm too small).
+    ``unit_ring``: the leaf units sharded now gather into a :class:`UnitRing` (no copy-out); set
+    residency first. ``timeout_s``: how long a rank waits for the others at a unit's barrier.
 
     Collective over the default group: every rank must call it, in the same place.
     """
@@ -194,7 +429,8 @@ def enable_shared_memory_all_gather(model: nn.Module, *, slots: int = 5, run_id:
         reason = "the parameters are not on the CPU"
     group = next(iter(groups.values())) if len(groups) == 1 else None
     largest = max((unit_gathered_bytes(u)[0] for u in units), default=0)
-    need = min_free_bytes if min_free_bytes is not None else 2 * slots * largest
+    # the gather ring, and the leaf units' two slots
+    need = min_free_bytes if min_free_bytes is not None else 2 * slots * largest + UnitRing.SLOTS * largest
     token = [job_token(run_id)]
     dist.broadcast_object_list(token, src=0)  # one name for the whole run
     directory = None
@@ -208,6 +444,12 @@ def enable_shared_memory_all_gather(model: nn.Module, *, slots: int = 5, run_id:
     comm = SharedMemoryAllGather(pool)
     for unit in units:
         unit.set_custom_all_gather(comm)
+    leaves = ring_units(model) if unit_ring else []
+    if leaves:
+        pool.unit_ring = UnitRing(model, leaves, directory, group, leader=ranks[0], timeout_s=timeout_s)
+        model._hsdp_unit_ring = pool.unit_ring
+        dist.barrier(group=group)  # every rank is past the ring's first gathers, which grew the buffers
+        pool.trim()  # to the leaf units' size: from now on they serve the other units only
     return pool
 
 

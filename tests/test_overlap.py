@@ -111,6 +111,60 @@ def test_prefetch_and_residency_keep_outputs_and_save_gathers(tmp_path, llama):
         assert r["shm_dir"].startswith("/dev/shm/hsdp-") and not r["shm_dir_left"]
 
 
+def _unit_ring(rank, world_size, path):
+    """Nothing resident, gathers through shared memory: the leaf units in the two-slot ring."""
+    import torch.distributed as dist
+
+    from shard_engine import enable_shared_memory_all_gather, fsdp_units, set_resident_units
+
+    model, reference, ids, expected, gathers, original = _loaded_and_counted(rank, path)
+    names = {id(m): name for name, m in model.named_modules()}
+    set_resident_units(model, 0)
+    pool = enable_shared_memory_all_gather(model, slots=5)
+    ring = pool.unit_ring
+    out = {"units": [names[id(u)] for u in fsdp_units(model)],
+           "ring": [names[id(u)] for u in ring.units] if ring is not None else [], "exact": [], "calls": []}
+    for _ in range(3):
+        before, gathers["n"] = pool.calls, 0
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        out["exact"].append(torch.allclose(logits, expected, rtol=1e-5, atol=1e-5))
+        out["calls"].append((pool.calls - before, gathers["n"]))
+    # the ring's parameters are views of its shared slots: one copy of the unit per host
+    if ring is not None:
+        unit = ring.units[-1]
+        param = next(unit.parameters())
+        out["param_in_slot"] = param.untyped_storage().nbytes() == param.numel() * param.element_size()
+    out["ring_bytes"] = ring.nbytes if ring is not None else 0
+    set_resident_units(model, 0)  # releases the ring: the units gather through the pool again
+    with torch.no_grad():
+        out["exact_after_release"] = torch.allclose(model(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+    dist.all_gather_single = original
+    dist.barrier()
+    pool.close()
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_unit_ring_gathers_leaf_units_without_a_copy_out(tmp_path, arch):
+    """With nothing resident on one host, every leaf unit's gathered parameters live in one of
+    two shared slots, filled by each rank's own rows before the unit runs; the outputs are
+    exact, the pool's copy-out gathers are left to the units the ring cannot take."""
+    path = write_checkpoint(tmp_path / arch, arch)
+    for r in values(run_ranks(_unit_ring, 2, tmp_path, path, timeout=300)):
+        assert r["exact"] == [True, True, True] and r["exact_after_release"], r
+        layers = [u for u in r["units"] if ".layers." in u]
+        assert layers and set(layers) <= set(r["ring"]), r
+        assert "" not in r["ring"]  # the root's forward spans every other unit
+        if arch == "qwen2":  # tied: the embedding's weight is lm_head's too, used outside its unit
+            assert "model.embed_tokens" not in r["ring"], r
+        else:
+            assert "model.embed_tokens" in r["ring"], r
+        # per forward: a pool gather for each unit outside the ring, none on the process group
+        assert r["calls"] == [(len(r["units"]) - len(r["ring"]), 0)] * 3, r
+        assert r["param_in_slot"] and r["ring_bytes"] > 0
+
+
 def _shared_residency(rank, world_size, path):
     """Residency through one shared copy per host: outputs, gathers, files and views, then back."""
     import os
@@ -247,6 +301,42 @@ def test_server_reports_residency_and_serves_the_same_tokens(tmp_path, llama):
                                                                                        "details": True}})
         assert r.status_code == 200, r.text
         assert [t["id"] for t in r.json()["details"]["tokens"]] == reference_generate(llama, PROMPTS[2:3], 12)[0]
+    finally:
+        assert server.stop() == 0, server.log_tail()
+
+
+def test_server_with_nothing_resident_gathers_leaf_units_in_the_ring(tmp_path, llama):
+    """``--resident-units 0`` on one host: gathers through shared memory, the leaf units through
+    the two-slot ring; greedy tokens of concurrent requests (one rank idles while the other
+    finishes: idle forwards fill the slots too) equal transformers'."""
+    import threading
+
+    from tests.checkpoints import PROMPTS, reference_generate
+    from tests.server_process import ServerProcess
+
+    server = ServerProcess(llama, extra_args=("--resident-units", "0"), log_path=tmp_path / "log")
+    try:
+        server.poll_ready()
+        info = server.client.get("/info").json()
+        assert info["residency"]["units"] == 0 and info["residency"]["all_gather"] == "shm"
+        # lockstep: a forward gathers, so the shard group steps as one
+        assert [r["step_group"] for r in info["ranks"]] == [0, 0]
+        assert all(r["memory"]["gather_ring"] > 0 for r in info["ranks"])
+        results = {}
+
+        def run(i, n):
+            r = server.client.post("/generate", json={"inputs": PROMPTS[i], "parameters": {
+                "max_new_tokens": n, "details": True}})
+            results[i] = (r.status_code, [t["id"] for t in r.json()["details"]["tokens"]], n)
+
+        threads = [threading.Thread(target=run, args=(i, n)) for i, n in ((0, 6), (1, 14), (2, 10))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for i, (status, ids, n) in results.items():
+            assert status == 200 and ids == reference_generate(llama, PROMPTS[i:i + 1], n)[0], i
+        assert len(results) == 3
     finally:
         assert server.stop() == 0, server.log_tail()
 
