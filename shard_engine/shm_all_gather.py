@@ -111,13 +111,18 @@ def sweep_stale(root: str = SHM_ROOT, min_age_s: float = STALE_AFTER_S) -> list[
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: it exists and is not a zombie (exited, not yet reaped by its parent)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True  # another user's process: alive
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc: existing is all we know
 
 
 class SharedMemoryPool:
@@ -336,22 +341,32 @@ counter says so, and a reader that saw the counter reads them after it. Elsewher
 model) nothing in Python orders them, and the barrier is the process group's."""
 
 
+class PeerGone(RuntimeError):
+    """A rank of the shard group exited while this one waited for it in shared memory."""
+
+
 class CounterBarrier:
     """A barrier over one page of shared memory: each rank of the group bumps its own counter and
     waits until every other rank's has reached it, yielding the processor (and the GIL) while it
     waits. Where the ranks run in step it costs microseconds; gloo's barrier took ~1.5 ms inside
     a forward on a 2-core host (its threads wake on a busy core), 20 ms a step for 13 units.
 
-    A peer that never arrives raises :class:`TimeoutError` after ``timeout_s`` (a dead rank is
-    normally seen sooner: the launcher's liveness watch, the step watchdog). Not on x86: the
-    process group's barrier (``_ORDERED_STORES``)."""
+    A peer that dies is seen while waiting (its process is looked for every
+    ``LIVENESS_CHECK_S``: the ranks share a host) and raises :class:`PeerGone`, as a collective
+    whose peer is gone fails; one that never arrives raises :class:`TimeoutError` after
+    ``timeout_s`` (a stuck rank is normally caught sooner, by the step watchdog). Not on x86: the
+    process group's barrier (``_ORDERED_STORES``). Collective to build: every rank of ``group``."""
+
+    LIVENESS_CHECK_S = 0.05
 
     def __init__(self, mapping, rank: int, world: int, group: dist.ProcessGroup, timeout_s: float):
         self.group, self.timeout_s = group, timeout_s
         self._mapping = mapping
         self._view = memoryview(mapping).cast("q")
         self._mine = rank * _COUNTER_STRIDE
-        self._others = [r * _COUNTER_STRIDE for r in range(world) if r != rank]
+        pids = [None] * world
+        dist.all_gather_object(pids, os.getpid(), group=group)
+        self._others = [(r * _COUNTER_STRIDE, r, pids[r]) for r in range(world) if r != rank]
         self.count = 0
 
     def __call__(self) -> None:
@@ -361,14 +376,20 @@ class CounterBarrier:
         self.count += 1
         view, count = self._view, self.count
         view[self._mine] = count
-        deadline = None
-        for other in self._others:
-            while view[other] < count:
-                if deadline is None:
-                    deadline = time.monotonic() + self.timeout_s
-                elif time.monotonic() > deadline:
-                    raise TimeoutError(f"a rank of the shard group did not reach the unit barrier in "
-                                       f"{self.timeout_s:.0f} s")
+        started = check_at = None
+        for slot, rank, pid in self._others:
+            while view[slot] < count:
+                now = time.monotonic()
+                if started is None:
+                    started, check_at = now, now + self.LIVENESS_CHECK_S
+                elif now > check_at:
+                    check_at = now + self.LIVENESS_CHECK_S
+                    if not _alive(pid):
+                        raise PeerGone(f"rank {rank} of the shard group (pid {pid}) exited while the others "
+                                       "waited for it at a unit barrier")
+                    if now - started > self.timeout_s:
+                        raise TimeoutError(f"rank {rank} of the shard group did not reach the unit barrier "
+                                           f"in {self.timeout_s:.0f} s")
                 time.sleep(0)  # yields the core and the GIL (rank 0's HTTP thread)
 
     def close(self) -> None:

@@ -157,6 +157,15 @@ def test_killed_rank_takes_the_group_down(model_dir, tmp_path):
     assert 503 in statuses and all(status != 200 for t, status in health if t > 1.0), health
 
 
+def test_killed_rank_with_nothing_resident_takes_the_group_down(model_dir, tmp_path):
+    """With nothing resident the ranks meet at a shared-memory barrier before every leaf unit
+    (shard_engine's unit ring): a rank that dies leaves the other spinning there, and the group
+    must still come down fast, not at the collective timeout."""
+    server, errors, health = _provoke(model_dir, tmp_path, ("--resident-units", "0"),
+                                      lambda r: os.kill(r[1], signal.SIGKILL))
+    assert errors and "failed" in errors[0]["error"], server.log_tail()
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_exception_in_forward_takes_the_group_down(model_dir, tmp_path, monkeypatch, rank):
     # The rank's 30th forward raises, a few tokens into the long request (warm-up takes 2).
@@ -166,10 +175,11 @@ def test_exception_in_forward_takes_the_group_down(model_dir, tmp_path, monkeypa
     assert "injected fault" in open(tmp_path / "log").read()
 
 
-def test_stuck_step_trips_the_watchdog(model_dir, tmp_path):
+@pytest.mark.parametrize("resident", ["auto", "0"])  # "0": rank 0 spins at a unit barrier of the ring
+def test_stuck_step_trips_the_watchdog(model_dir, tmp_path, resident):
     # A stopped rank stands for a stuck one; once rank 0's watchdog has fired it is let go, so
     # that the SIGTERM the launcher sends it can act (a stopped process cannot die of it).
-    server, errors, health = _provoke(model_dir, tmp_path, ("--step-timeout", "3"),
+    server, errors, health = _provoke(model_dir, tmp_path, ("--step-timeout", "3", "--resident-units", resident),
                                       lambda r: os.kill(r[1], signal.SIGSTOP),
                                       after_error=lambda r: os.kill(r[1], signal.SIGCONT))
     log = open(tmp_path / "log").read()
