@@ -71,6 +71,8 @@ def run_engine_loop(engine: RankEngine | None, channel: ControlChannel, schedule
         if watchdog is not None:
             watchdog.step_started()
         t0 = clock()
+        if scheduler is not None and planned.forward:
+            scheduler.step_began(t0)
         plan = channel.broadcast_plan(planned)
         if plan.shutdown:
             return
@@ -82,6 +84,8 @@ def run_engine_loop(engine: RankEngine | None, channel: ControlChannel, schedule
         if watchdog is not None:
             watchdog.step_finished()
         if scheduler is not None:
+            if plan.forward:
+                scheduler.step_ended(t3 - t0)
             scheduler.on_results(results)
             if plan.forward and engine is not None:
                 scheduler.observe_step(step_s=t2 - t1, control_s=(t1 - t0) + (t3 - t2))

@@ -237,3 +237,48 @@ def test_a_burst_spreads_over_ranks_whatever_their_pool_sizes():
     plan = scheduler.next_plan()
     ranks = [add.rank for add in plan.add]
     assert len(ranks) == 6 and sorted(ranks.count(r) for r in (0, 1)) == [3, 3], ranks
+
+
+def test_router_sends_a_request_to_the_replica_whose_step_ends_first():
+    """Among replicas within one open request of the least loaded, the one whose step in progress
+    ends first (server/engine/replicas.py): a closed loop's next request would otherwise go to the
+    replica that just started a step, where its own last request finished."""
+    import time
+
+    from server.engine import BlockPool, ReplicaRouter, Scheduler
+    from server.engine.sampling import SamplingParams
+    from server.engine.scheduler import RequestHandle
+
+    def replica(rank):
+        return Scheduler(pools=[BlockPool(100, 4)], replicas=[[0]], rank_ids=[rank], max_running=8,
+                         max_total_tokens=64, eos_token_ids={0})
+
+    def handle():
+        return RequestHandle([1, 2, 3], SamplingParams(max_new_tokens=2), deliver=lambda event: None)
+
+    a, b = replica(0), replica(1)
+    router = ReplicaRouter([a, b], max_running=16, max_queued=16)
+    first = handle()
+    router.submit(first)
+    assert first.scheduler is a  # both between steps, nothing open: the first replica
+    now = time.perf_counter()
+    for s, started in ((a, now), (b, now - 0.95)):  # 1 s steps: a's just began, b's ends in 50 ms
+        s.step_ended(1.0)
+        s.step_began(started)
+    assert 0.5 < a.step_remaining(time.perf_counter()) <= 1.0 and b.step_remaining(time.perf_counter()) <= 0.05
+    second = handle()
+    router.submit(second)
+    assert second.scheduler is b  # a owes one request, b none: b is the least loaded, and ends first
+    third = handle()
+    router.submit(third)
+    assert third.scheduler is b  # both owe one: b's step still ends first
+    fourth = handle()
+    router.submit(fourth)
+    assert fourth.scheduler is b  # b owes two, a one: still within one of the least
+    fifth = handle()
+    router.submit(fifth)
+    assert fifth.scheduler is a  # b owes three, a one: load first, however soon b's step ends
+    a.step_ended(1.0)  # a between steps now: at once
+    sixth = handle()
+    router.submit(sixth)
+    assert sixth.scheduler is a and a.step_remaining(time.perf_counter()) == 0.0

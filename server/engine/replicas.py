@@ -12,8 +12,13 @@ rank order), each request placed on a replica when it arrives:
 0. among the replicas whose KV pools can ever hold the sequence,
 1. the replica holding the longest cached prefix of the prompt (on any of its ranks), counted only
    while it has room in its share of the running requests;
-2. then the one with the fewest open requests (running and queued: they are the work it owes);
-3. then the one with the most free KV blocks.
+2. else, among the replicas within one open request (running and queued: the work each owes) of
+   the least loaded, the one whose step in progress is expected to end first (a replica between
+   steps: at once), since a new request waits for that step before its first chunk runs. The
+   sequence that just finished on a replica frees its place there at the moment that replica
+   starts its next step: fewest open requests alone sends the next request of a closed loop to
+   the replica that will keep it waiting longest;
+3. then the fewest open requests, then the most free KV blocks.
 
 Within the replica its scheduler places the sequence on a rank by blocks and prefix, as before.
 The bound on open requests (``--max-concurrent-requests`` + ``--max-queued-requests``) holds
@@ -23,6 +28,7 @@ over the whole group; each replica may run its share of the concurrent requests.
 from __future__ import annotations
 
 import threading
+import time
 
 from server.engine.blocks import chain_hashes
 from server.engine.scheduler import RequestHandle, Scheduler
@@ -50,15 +56,22 @@ class ReplicaRouter:
         usable = (len(tokens) - 1) // self.block_size
         keys = chain_hashes(tokens[: usable * self.block_size], self.block_size) if usable else []
 
-        def score(s: Scheduler):
-            # a cached prefix counts only while the replica has room in its running share: a
-            # shared system prompt must not send every request to one replica while another idles
-            room = s.open_requests < s.max_running
-            cached = max((len(pool.match_prefix(keys)) for pool in s.pools), default=0) if keys and room else 0
-            return (cached, -s.open_requests, sum(pool.num_available for pool in s.pools))
+        def free(s: Scheduler) -> int:
+            return sum(pool.num_available for pool in s.pools)
 
         fitting = [s for s in self.schedulers if s.fits_ever(len(tokens))] or self.schedulers
-        return max(fitting, key=score)
+        if keys:
+            # a cached prefix counts only while the replica has room in its running share: a
+            # shared system prompt must not send every request to one replica while another idles
+            cached = {id(s): max((len(pool.match_prefix(keys)) for pool in s.pools), default=0)
+                      if s.open_requests < s.max_running else 0 for s in fitting}
+            best = max(cached.values())
+            if best:
+                return max((s for s in fitting if cached[id(s)] == best), key=lambda s: (-s.open_requests, free(s)))
+        least = min(s.open_requests for s in fitting)
+        near = [s for s in fitting if s.open_requests <= least + 1]
+        now = time.perf_counter()
+        return min(near, key=lambda s: (s.step_remaining(now), s.open_requests, -free(s)))
 
     def try_submit(self, handle: RequestHandle) -> bool:
         with self._lock:  # the bound holds over every replica

@@ -135,6 +135,8 @@ class Scheduler:
         self.rank_stats: list[StepResult | None] = [None] * self.world_size
         self.rank_memory: list[dict | None] = [None] * self.world_size  # each rank's latest memory report
         self.preemptions = 0
+        self._step_started: float | None = None  # (time.perf_counter) while a step with a forward runs
+        self._step_estimate = 0.0  # the last such step's duration
 
     # -- thread-safe entry points ------------------------------------------------------------
     def submit(self, handle: RequestHandle) -> None:
@@ -454,6 +456,19 @@ class Scheduler:
         if handle.prompt_scores is not None and handle.num_generated == 1:
             event.prompt_logprobs = handle.prompt_scores
         handle.deliver(event)
+
+    def step_began(self, at: float) -> None:
+        """The engine thread: a step with a forward went out at ``at`` (``time.perf_counter``)."""
+        self._step_started = at
+
+    def step_ended(self, duration_s: float) -> None:
+        self._step_started, self._step_estimate = None, duration_s
+
+    def step_remaining(self, now: float) -> float:
+        """Seconds until the step in progress is expected to end (0 between steps): how long a
+        request submitted now waits before its first chunk can be planned. Any thread."""
+        started = self._step_started
+        return 0.0 if started is None else max(0.0, started + self._step_estimate - now)
 
     def observe_step(self, *, step_s: float, control_s: float) -> None:
         """Rank 0's timing of one step with a forward: its own engine step, and the time spent in

@@ -108,7 +108,7 @@ async function refreshInfo() {
   const rows = (info.ranks || []).map((r) => {
     const m = r.memory || {};
     const kv = r.kv_blocks || {};
-    const cells = [r.rank, r.replica, r.pid, r.active, r.sequences_started, r.tokens_computed, r.forwards,
+    const cells = [r.rank, r.replica, r.step_group, r.pid, r.active, r.sequences_started, r.tokens_computed, r.forwards,
       mb(m.shards), mb(m.shared_weights_share), mb(m.gather_ring_share), mb(m.resident), mb(m.kv_pool),
       `${kv.used} / ${kv.total}`, kv.cached, mb(m.pss)];
     return "<tr>" + cells.map((c) => `<td>${c === undefined || c === null ? "" : c}</td>`).join("") + "</tr>";
