@@ -282,3 +282,15 @@ def test_router_sends_a_request_to_the_replica_whose_step_ends_first():
     sixth = handle()
     router.submit(sixth)
     assert sixth.scheduler is a and a.step_remaining(time.perf_counter()) == 0.0
+    # a full running share (8 here) is passed over for a replica with room, whatever its step
+    c, d = replica(0), replica(1)
+    full = ReplicaRouter([c, d], max_running=16, max_queued=16)
+    for _ in range(8):
+        c.submit(handle())
+    for _ in range(7):
+        d.submit(handle())
+    d.step_ended(1.0)
+    d.step_began(time.perf_counter())  # d's step just began; c is between steps, but full
+    seventh = handle()
+    full.submit(seventh)
+    assert seventh.scheduler is d

@@ -17,7 +17,8 @@ rank order), each request placed on a replica when it arrives:
    steps: at once), since a new request waits for that step before its first chunk runs. The
    sequence that just finished on a replica frees its place there at the moment that replica
    starts its next step: fewest open requests alone sends the next request of a closed loop to
-   the replica that will keep it waiting longest;
+   the replica that will keep it waiting longest. A replica whose running share is full (the
+   request would queue there) is passed over for one with room;
 3. then the fewest open requests, then the most free KV blocks.
 
 Within the replica its scheduler places the sequence on a rank by blocks and prefix, as before.
@@ -70,6 +71,7 @@ class ReplicaRouter:
                 return max((s for s in fitting if cached[id(s)] == best), key=lambda s: (-s.open_requests, free(s)))
         least = min(s.open_requests for s in fitting)
         near = [s for s in fitting if s.open_requests <= least + 1]
+        near = [s for s in near if s.open_requests < s.max_running] or near  # one that admits it now
         now = time.perf_counter()
         return min(near, key=lambda s: (s.step_remaining(now), s.open_requests, -free(s)))
 
