@@ -29,7 +29,8 @@ class ServerMetrics:
         self.queue_time = Histogram("hsdp_queue_time_seconds", "From a request's arrival to its admission",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.step_duration = Histogram("hsdp_step_duration_seconds",
-                                       "Rank 0's engine step (forward and token choice) per step with a forward",
+                                       "A step group's step with a forward: rank 0's own engine step (forward and token "
+                                       "choice), or the round trip for a group rank 0 drives from a thread",
                                        buckets=_STEP_BUCKETS, registry=r)
         self.control_duration = Histogram("hsdp_control_duration_seconds",
                                           "Rank 0's time in the control channel per step: plan out, tokens back, "
