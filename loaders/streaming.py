@@ -143,15 +143,14 @@ class _Prefetch:
         self._fill()
 
     def _fill(self) -> None:
-        pin = self.load.context.target_device.type == "cuda"
         while self.next < len(self.plan) and len(self.futures) < self.window:
             key, info, (start, stop) = self.plan[self.next]
             nbytes = (stop - start) * info.row_bytes if info.shape else info.nbytes
             if self.futures and sum(b for _, b, _ in self.futures.values()) + nbytes > PREFETCH_BYTES:
                 return
             # one GET per tensor here: the window is the concurrency
-            future = self.pool.submit(read_rows, self.remote, info, start, stop, path=self.path, pin_memory=pin,
-                                      concurrency=1)
+            future = self.pool.submit(read_rows, self.remote, info, start, stop, path=self.path,
+                                      pin_memory=self.load.pin_reads, concurrency=1)
             self.futures[self.next] = ((start, stop), nbytes, future)
             self.next += 1
 
@@ -191,6 +190,9 @@ class _StreamingLoad:
         # a slow load for tests and demos of progress: seconds per checkpoint tensor
         self.delay_s = float(os.environ.get("HSDP_INJECT_LOAD_DELAY", "0") or 0)
         self.model, self.context, self.files = model, context, files
+        # Page-locked reads whenever the ranks compute on a GPU (asynchronous copies; FSDP's CPU
+        # offload pins its host shards too).
+        self.pin_reads = context.target_device.type == "cuda"
         self.read_mode, self.may_cast, self.stats = read_mode, may_cast, stats
         self.progress = progress
         self.skipped: list[str] = []  # checkpoint tensors the model does not use, as from_pretrained skips them
@@ -326,7 +328,6 @@ class _StreamingLoad:
             )
         self._check_dtype(expected, info, path, key)
         start, stop = self._rows_to_read(name, info)
-        # Page-locked whenever the ranks compute on a GPU: FSDP's CPU offload pins its host shards too.
         data = self._fetch(fd, path, key, info, start, stop)
         self.stats.bytes_read += data.numel() * info.dtype.itemsize
         self.stats.tensors_read += 1
@@ -337,8 +338,7 @@ class _StreamingLoad:
         prefetched = self._prefetch.take(key, start, stop) if self._prefetch is not None else None
         if prefetched is not None:
             return prefetched
-        return read_rows(fd, info, start, stop, path=path, pin_memory=self.context.target_device.type == "cuda",
-                         concurrency=self.load_concurrency)
+        return read_rows(fd, info, start, stop, path=path, pin_memory=self.pin_reads, concurrency=self.load_concurrency)
 
     def _planned_rows(self, key: str, info) -> tuple[int, int] | None:
         """The rows :meth:`_read_tensor` will read of checkpoint tensor ``key``, decided as it

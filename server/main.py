@@ -91,7 +91,7 @@ def _step_groups(mesh_shape: tuple[int, int], residency) -> list[list[int]]:
     per host) a forward gathers nothing and runs no collective, so each rank steps alone: a new
     request waits only for its own rank's step, and no rank waits for a slower one (rank 0 also
     serves HTTP) at the end of every step."""
-    if len(residency.units) == residency.total_units:
+    if residency.everything:
         return [[rank] for rank in range(mesh_shape[0] * mesh_shape[1])]
     return _replicas(mesh_shape)
 
@@ -156,7 +156,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
             enable_forward_prefetch(loaded.model, depth=cfg.prefetch_depth)
         shards = tensor_bytes(loaded.model)  # now, while every unit is sharded
         residency = _make_resident(loaded.model, cfg, device)  # collective: the same on every rank
-        if cfg.all_gather == "shm" or (cfg.all_gather == "auto" and len(residency.units) < residency.total_units):
+        if cfg.all_gather == "shm" or (cfg.all_gather == "auto" and not residency.everything):
             # (with every unit resident nothing is gathered after startup: auto leaves it be)
             shm_pool = enable_shared_memory_all_gather(loaded.model, slots=slots_for_depth(cfg.prefetch_depth),
                                                        timeout_s=cfg.collective_timeout_s)
@@ -305,7 +305,7 @@ def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg
     state.residency = dict(residency.as_dict(), extra_bytes_per_rank=[extra for _, extra, _ in per_rank],
                            prefetch_depth=cfg.prefetch_depth,
                            all_gather="shm" if shm_pool is not None else
-                           "none" if len(residency.units) == residency.total_units else "group")
+                           "none" if residency.everything else "group")
     state.metrics.resident_units.set(len(residency.units))
     state.metrics.sharded_units.set(residency.total_units)
     for r, (_, extra, _) in enumerate(per_rank):

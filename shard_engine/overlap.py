@@ -79,6 +79,11 @@ class Residency:
     def shared(self) -> bool:
         return self.shared_bytes > 0
 
+    @property
+    def everything(self) -> bool:
+        """Every unit resident: a forward gathers nothing and runs no collective."""
+        return len(self.units) == self.total_units
+
     def as_dict(self) -> dict:
         return {"units": len(self.units), "of": self.total_units, "names": self.units,
                 "extra_bytes_per_rank": self.extra_bytes, "shared_bytes": self.shared_bytes,

@@ -83,17 +83,10 @@ class SharedWeights:
     def release(self) -> None:
         """Reshard the shared units with private shards again (same values), then unmap and remove
         the file. Collective-free; gathering them again is the caller's (``set_resident_units``)."""
-        for fsdp_param, _, numel, dtype, is_view in self._entries:
+        for fsdp_param, _, _, _, is_view in self._entries:
             if is_view:
                 _bind_shard(fsdp_param, fsdp_param._sharded_param_data.clone())
-            # A private output, never written: FSDP's reshard frees it (resizes it to nothing),
-            # which it cannot do to the shared one; the next gather allocates it again.
-            private = torch.empty(numel, dtype=dtype)
-            fsdp_param.all_gather_outputs = [private]
-            _bind_unsharded(fsdp_param, private)
-        for unit in self._units:
-            unit.set_reshard_after_forward(True, recurse=False)
-            unit.reshard()
+        reshard_privately(self._units, [entry[:4] for entry in self._entries])
         self._entries, self._units = [], []
         self._map = None  # unmapped once the last view is gone
         self._remove_files()
@@ -127,14 +120,8 @@ def share_resident_units(model: nn.Module, count: int, *, run_id: str | None = N
         reason = "the units do not compute on the CPU"  # GPUs, and FSDP's CPU offload onto them
     layout, size = [], 0
     for unit in chosen:
-        group = unit_param_group(unit)
-        group.lazy_init()  # dtypes (mixed precision) are settled here
-        world = group.mesh_info.shard_mesh_size
-        for fsdp_param in group.fsdp_params:
-            dtype = fsdp_param.param_dtype or fsdp_param.orig_dtype
-            numel = fsdp_param._sharded_param_data.numel() * world
-            layout.append((fsdp_param, size, numel, dtype))
-            size += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+        entries, size = param_major_layout(unit, size)
+        layout += entries
     token = [job_token(run_id)]
     dist.broadcast_object_list(token, src=0)  # one name for the whole run
     directory = path = None
@@ -186,6 +173,36 @@ def share_resident_units(model: nn.Module, count: int, *, run_id: str | None = N
             _bind_shard(fsdp_param, whole.narrow(0, rank * shard.numel(), shard.numel()))
         shared._entries.append((fsdp_param, offset, numel, dtype, is_view))
     return shared
+
+
+def param_major_layout(unit, offset: int = 0) -> tuple[list, int]:
+    """Where ``unit``'s parameters go, gathered whole (padded as FSDP2 gathers them), one after
+    another from byte ``offset``: ``[(fsdp_param, offset, numel, dtype)]`` and the offset after
+    the last. The layout of the shared copy here and of the unit ring's slots
+    (:mod:`shard_engine.shm_all_gather`)."""
+    group = unit_param_group(unit)
+    group.lazy_init()  # dtypes (mixed precision) are settled here
+    world = group.mesh_info.shard_mesh_size
+    entries = []
+    for fsdp_param in group.fsdp_params:
+        dtype = fsdp_param.param_dtype or fsdp_param.orig_dtype
+        numel = fsdp_param._sharded_param_data.numel() * world
+        entries.append((fsdp_param, offset, numel, dtype))
+        offset += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+    return entries, offset
+
+
+def reshard_privately(units: list, layout: list) -> None:
+    """Give each parameter of ``layout`` (:func:`param_major_layout`'s entries) a private gathered
+    output again and reshard ``units``: FSDP's reshard frees that output (resizes it to nothing),
+    which it cannot do to shared storage; the next gather allocates it again."""
+    for fsdp_param, _, numel, dtype in layout:
+        private = torch.empty(numel, dtype=dtype)  # never written
+        fsdp_param.all_gather_outputs = [private]
+        _bind_unsharded(fsdp_param, private)
+    for unit in units:
+        unit.set_reshard_after_forward(True, recurse=False)
+        unit.reshard()
 
 
 def _bind_unsharded(fsdp_param, whole: torch.Tensor) -> None:

@@ -51,8 +51,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGather
 
 from shard_engine.overlap import fsdp_units, unit_gathered_bytes, unit_param_group
 
-_SLOT_ALIGN = 64
-
 logger = logging.getLogger(__name__)
 
 SHM_ROOT = "/dev/shm"
@@ -221,21 +219,14 @@ class UnitRing:
                  timeout_s: float = 600.0):
         import mmap
 
+        from shard_engine.shared_weights import param_major_layout
+
         self.units, self.group = units, group
         self._layouts: dict[int, list] = {}  # id(unit) -> [(fsdp_param, offset, numel, dtype)]
         size = 0
         for unit in units:
-            param_group = unit_param_group(unit)
-            param_group.lazy_init()  # dtypes (mixed precision) are settled here
-            world = param_group.mesh_info.shard_mesh_size
-            offset, layout = 0, []
-            for fsdp_param in param_group.fsdp_params:
-                dtype = fsdp_param.param_dtype or fsdp_param.orig_dtype
-                numel = fsdp_param._sharded_param_data.numel() * world
-                layout.append((fsdp_param, offset, numel, dtype))
-                offset += -(-numel * dtype.itemsize // _SLOT_ALIGN) * _SLOT_ALIGN
-            self._layouts[id(unit)] = layout
-            size = max(size, offset)
+            self._layouts[id(unit)], end = param_major_layout(unit)
+            size = max(size, end)
         self.slot_bytes = max(size, 1)
         world = dist.get_world_size(group)
         files = [(os.path.join(directory, f"unit-slot{i}"), self.slot_bytes) for i in range(self.SLOTS)]
@@ -318,18 +309,12 @@ class UnitRing:
 
     def release(self) -> None:
         """Private gathered memory for the units again, resharded; the slots unmapped."""
-        from shard_engine.shared_weights import _bind_unsharded
+        from shard_engine.shared_weights import reshard_privately
 
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        for unit in self.units:
-            for fsdp_param, _, numel, dtype in self._layouts[id(unit)]:
-                private = torch.empty(numel, dtype=dtype)  # never written: FSDP's reshard frees it
-                fsdp_param.all_gather_outputs = [private]
-                _bind_unsharded(fsdp_param, private)
-            unit.set_reshard_after_forward(True, recurse=False)
-            unit.reshard()
+        reshard_privately(self.units, [entry for unit in self.units for entry in self._layouts[id(unit)]])
         self.units, self._copies, self._maps = [], {}, []
         self._barrier.close()
 
@@ -411,14 +396,9 @@ def ring_units(model: nn.Module) -> list:
         inside = {id(m) for m in unit.modules()}
         if any(id(other) in inside for other in units if other is not unit):
             continue
-        ok = True
-        for fsdp_param in group.fsdp_params:
-            info = fsdp_param._module_info
-            if (fsdp_param.fsdp_placement.dim != 0 or hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather")
-                    or any(id(m) not in inside for m in (info.module, *info.shared_modules))):
-                ok = False
-                break
-        if ok:
+        if all(p.fsdp_placement.dim == 0 and not hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather")
+               and all(id(m) in inside for m in (p._module_info.module, *p._module_info.shared_modules))
+               for p in group.fsdp_params):
             chosen.append(unit)
     return chosen
 
