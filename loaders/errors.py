@@ -1,4 +1,9 @@
-"""Errors raised while reading a checkpoint. Each names the file and, where known, the tensor."""
+"""Errors raised while reading a checkpoint. Each names the file and, where known, the tensor.
+
+Between ranks an error travels as a record of plain data (:func:`error_to_record`), never
+pickled: its class's name, one of :data:`ERROR_CLASSES`, and its fields; :func:`error_from_record`
+builds it back, and a name outside that list becomes a :class:`RemoteRankError` with the text.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ class CheckpointError(Exception):
         super().__init__(f"{message} ({where})" if where else message)
 
     def __reduce__(self):
-        # Keep the fields when the exception travels between ranks (all_gather_object pickles it).
+        # Keep the fields where a process boundary pickles the exception (multiprocessing's results).
         return (_rebuild, (type(self), self.args[0], self.path, self.tensor))
 
 
@@ -54,3 +59,28 @@ class DTypeMismatchError(CheckpointError):
 
 class RemoteRankError(CheckpointError):
     """Loading failed on another rank; this rank stops too instead of waiting in a collective."""
+
+
+ERROR_CLASSES = {cls.__name__: cls for cls in (
+    CheckpointError, MissingConfigError, MissingTokenizerError, CorruptFileError, MissingTensorError,
+    UnexpectedTensorError, ShapeMismatchError, DTypeMismatchError, RemoteRankError,
+)}
+"""The errors a rank may rebuild from another rank's record, by class name."""
+
+
+def error_to_record(error: CheckpointError) -> dict:
+    """``error`` as plain data for ``shard_engine.wire``: its class's name and its fields."""
+    return {"type": type(error).__name__, "message": str(error.args[0]) if error.args else "",
+            "path": error.path, "tensor": error.tensor}
+
+
+def error_from_record(record) -> CheckpointError:
+    """The error another rank sent as :func:`error_to_record`; a class outside
+    :data:`ERROR_CLASSES`, or a record that is not one, becomes a RemoteRankError with its text."""
+    if not isinstance(record, dict) or not all(
+            isinstance(record.get(k), str | None) for k in ("type", "message", "path", "tensor")):
+        return RemoteRankError(f"a malformed error record from another rank: {str(record)[:200]}")
+    cls = ERROR_CLASSES.get(record["type"])
+    if cls is None:
+        return RemoteRankError(f"{record['type']}: {record['message']}")
+    return _rebuild(cls, record["message"] or "", record["path"], record["tensor"])

@@ -28,15 +28,17 @@ from loaders.errors import (
     CheckpointError,
     DTypeMismatchError,
     MissingTensorError,
-    RemoteRankError,
     ShapeMismatchError,
     UnexpectedTensorError,
+    error_from_record,
+    error_to_record,
 )
 from loaders.safetensors_io import read_rows
 from loaders.skeleton import build_skeleton, describe_layout, match_key_prefix
 from loaders.stats import LoadStats, read_proc_status, reset_peak_rss
 from shard_engine import (
     HSDPInferenceConfig,
+    wire,
     HSDPShardContext,
     default_device,
     dtensor_like,
@@ -101,7 +103,8 @@ def _resolve_dtype(dtype, config, files, device: torch.device) -> tuple[torch.dt
 
 
 def _agree(error: BaseException | None, stage: str) -> None:
-    """Raise on every rank if any rank failed (one all_gather_object over the default group).
+    """Raise on every rank if any rank failed (one all-gather over the default group, of error
+    records: plain data, never a pickle; ``loaders.errors``).
 
     Every rank reaches this call on success and on failure alike, so none is left waiting.
     """
@@ -112,13 +115,12 @@ def _agree(error: BaseException | None, stage: str) -> None:
     sendable = error
     if error is not None and not isinstance(error, CheckpointError):
         sendable = CheckpointError(f"{type(error).__name__}: {error}")
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sendable)
+    gathered = wire.all_gather(error_to_record(sendable) if sendable is not None else None)
     if error is not None:
         raise error
     for rank, remote in enumerate(gathered):
         if remote is not None:
-            exc = remote if isinstance(remote, CheckpointError) else RemoteRankError(str(remote))
+            exc = error_from_record(remote)
             exc.add_note(f"raised on rank {rank} during {stage}; rank {dist.get_rank()} stops too")
             raise exc
 

@@ -245,6 +245,8 @@ ENVIRONMENT = {
     "HSDP_NODE_RANK": "docker/entrypoint.sh: this node's rank (0 serves HTTP)",
     "HSDP_MASTER_ADDR": "docker/entrypoint.sh: node rank 0's address",
     "HSDP_MASTER_PORT": "docker/entrypoint.sh: the rendezvous port (default 29500)",
+    "HSDP_GROUP_SECRET": "several nodes: a secret every rank proves it knows (HMAC) before the group starts",
+    "HSDP_GROUP_SECRET_FILE": "a file holding HSDP_GROUP_SECRET (a mounted Secret); set one of the two",
 }
 """Variables read by the server, its probe or its entrypoint that are not options."""
 
@@ -313,14 +315,13 @@ def parse_serve_config(argv: list[str] | None = None, environ: Mapping[str, str]
 
 
 def read_key_file(path: str) -> str:
+    from server.launch import read_secret_file
+
+    key = read_secret_file(path, "--api-key-file")
     try:
-        with open(path) as f:
-            key = f.read().strip()
-    except OSError as e:
-        raise ValueError(f"--api-key-file {path}: {e.strerror}") from None
-    if not key:
-        raise ValueError(f"--api-key-file {path}: empty")
-    return key
+        return key.decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"--api-key-file {path}: not text") from None
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:

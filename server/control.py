@@ -3,10 +3,15 @@
 A step group is the ranks that enter their forwards together: a replica (shard group) when a
 forward gathers units, each rank alone when every unit is resident (server.main
 ``_step_groups``). One channel per group, each a gloo group of its own of rank 0 and the
-group's ranks, also when the model's collectives run on NCCL: plans are small pickled objects,
-and a CPU group never queues behind the model's all-gathers. Rank 0 steps its own group from its
-main thread; every other group is stepped by a thread of rank 0 that plans for it and waits for
-its tokens (both :func:`run_engine_loop`), so the groups run their steps independently."""
+group's ranks, also when the model's collectives run on NCCL: plans are small, and a CPU group
+never queues behind the model's all-gathers. Rank 0 steps its own group from its main thread;
+every other group is stepped by a thread of rank 0 that plans for it and waits for its tokens
+(both :func:`run_engine_loop`), so the groups run their steps independently.
+
+Nothing received is executed: plans and results travel as plain data (``shard_engine.wire``:
+msgpack, never pickle) and are rebuilt only as the records of ``server.engine.plan``
+(``server.engine.plan_wire``); a payload that is anything else (a pickle, a field no record
+declares) raises :class:`shard_engine.wire.WireError` on the rank that received it."""
 
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ import time
 import torch.distributed as dist
 
 from server.engine import RankEngine, StepPlan, StepResult
+from server.engine.plan_wire import from_wire, to_wire
+from shard_engine import wire
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +38,14 @@ class ControlChannel:
         self.rank = dist.get_rank()
 
     def broadcast_plan(self, plan: StepPlan | None) -> StepPlan:
-        box = [plan]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        """Rank 0's ``plan`` on every member (theirs is ignored); rank 0 keeps its own object."""
+        sent = wire.broadcast(to_wire(plan) if self.rank == 0 else None, src=0, group=self.group)
+        return plan if self.rank == 0 else from_wire(StepPlan, sent)
 
     def gather_results(self, result: StepResult | None) -> list[StepResult] | None:
         """Rank 0: every member's result (rank 0's own is None where it is not in the replica)."""
-        out = [None] * len(self.ranks) if self.rank == 0 else None
-        dist.gather_object(result, out, dst=0, group=self.group)
-        return [r for r in out if r is not None] if out is not None else None
+        out = wire.gather(to_wire(result) if result is not None else None, dst=0, group=self.group)
+        return [from_wire(StepResult, r) for r in out if r is not None] if out is not None else None
 
 
 def control_channels(timeout_s: float, replicas: list[list[int]]) -> list[ControlChannel | None]:

@@ -6,6 +6,10 @@ this process already is a torchrun worker, runs the entrypoint right here, so se
 work with one ``torchrun`` per node. Knows nothing of checkpoints or HTTP: the entrypoint
 does the work and calls :func:`init_rank` itself.
 
+Several nodes: after the process group forms, every rank proves to rank 0 that it knows
+``HSDP_GROUP_SECRET`` (:func:`authenticate_group`, through the group's store) before any control
+message; the local launcher's ranks need none (their store and gloo listen on loopback).
+
 A failed rank ends the whole group (``max_restarts=0``) and surfaces as one :class:`GroupError`
 whose text is one line; the traceback is logged at ``--log-level debug``.
 
@@ -22,9 +26,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import hashlib
+import hmac
 import logging
 import multiprocessing
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -175,6 +182,7 @@ def init_rank(device: str, timeout_s: float) -> torch.device:
     # or oversubscribe the node, so each rank gets its share of the cores it may run on (GPU
     # ranks too: their host work, the loader's reads and casts, runs on these threads).
     torch.set_num_threads(max(1, _count_usable_cores() // local_world_size))
+    secret = read_group_secret()  # a misconfigured secret fails before the group forms
     if device == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise ValueError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible")
@@ -182,9 +190,98 @@ def init_rank(device: str, timeout_s: float) -> torch.device:
         rank_device = torch.device("cuda", local_rank)
         # device_id binds the group to this GPU at once instead of at the first collective.
         dist.init_process_group("nccl", timeout=timeout, device_id=rank_device)
-        return rank_device
-    dist.init_process_group("gloo", timeout=timeout)
-    return torch.device("cpu")
+    else:
+        rank_device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    authenticate_group(secret)  # before any control message
+    return rank_device
+
+
+GROUP_SECRET_ENV = "HSDP_GROUP_SECRET"
+GROUP_SECRET_FILE_ENV = "HSDP_GROUP_SECRET_FILE"
+_AUTH_KEY = "hsdp-auth/"
+
+
+class GroupAuthError(RuntimeError):
+    """A rank did not prove that it knows the group's secret; ``rank`` is that rank."""
+
+    def __init__(self, message: str, *, rank: int | None = None):  # (None: as unpickled, rank restored after)
+        self.rank = rank
+        super().__init__(message)
+
+
+def read_group_secret(environ=None) -> bytes | None:
+    """The group's shared secret: ``HSDP_GROUP_SECRET``, or the contents of ``HSDP_GROUP_SECRET_FILE``
+    (stripped); None where neither is set. ValueError for both, or a file that is unreadable or empty."""
+    environ = os.environ if environ is None else environ
+    text, path = environ.get(GROUP_SECRET_ENV, ""), environ.get(GROUP_SECRET_FILE_ENV, "")
+    if text and path:
+        raise ValueError(f"set {GROUP_SECRET_ENV} or {GROUP_SECRET_FILE_ENV}, not both")
+    if path:
+        return read_secret_file(path, GROUP_SECRET_FILE_ENV)
+    return text.encode() or None
+
+
+def read_secret_file(path: str, what: str) -> bytes:
+    """A secret's file (a Docker or Kubernetes secret), stripped; ValueError naming ``what`` (the
+    flag or variable that gave the path) where it is unreadable or empty."""
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"{what} {path}: {e.strerror}") from None
+    if not secret:
+        raise ValueError(f"{what} {path}: empty")
+    return secret
+
+
+def _proof(secret: bytes | None, nonce: bytes, rank: int) -> bytes:
+    if secret is None:
+        return b"none"
+    return hmac.new(secret, nonce + rank.to_bytes(8, "big"), hashlib.sha256).hexdigest().encode()
+
+
+def authenticate_group(secret: bytes | None) -> None:
+    """Every rank proves to rank 0 that it knows ``secret``, through the default group's store:
+    rank 0 writes a random nonce, each rank HMAC-SHA256(secret, nonce || rank), rank 0 checks each
+    and writes its verdict, which every rank waits for, so that a failure ends every rank at once
+    (GroupAuthError naming the rank at fault), none waiting in a collective. Run by every rank
+    (symmetric: the store's waits are bounded by the group's timeout), on one node too, where it
+    costs a few loopback round trips. Without a secret anywhere the group starts unauthenticated,
+    with a warning where it spans several nodes (its ports then listen beyond loopback)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    several_nodes = int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world
+    if secret is None and several_nodes and rank == 0:
+        logger.warning("the group spans several nodes and %s is not set: its control plane is unauthenticated "
+                       "(whoever reaches its store and gloo ports can join it)", GROUP_SECRET_ENV)
+    if world == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    if rank != 0:
+        store.set(f"{_AUTH_KEY}proof{rank}", _proof(secret, store.get(f"{_AUTH_KEY}nonce"), rank))
+        verdict = store.get(f"{_AUTH_KEY}verdict").decode()
+        if verdict != "ok":
+            failed, _, why = verdict.partition(" ")
+            raise GroupAuthError(why, rank=int(failed))
+        return
+    nonce = secrets.token_bytes(32)
+    store.set(f"{_AUTH_KEY}nonce", nonce)
+    failed = why = None
+    for r in range(1, world):
+        proof = store.get(f"{_AUTH_KEY}proof{r}")
+        if hmac.compare_digest(proof, _proof(secret, nonce, r)):
+            continue
+        failed = r
+        if secret is None:
+            why = f"rank {r} has a group secret and rank 0 has none: set {GROUP_SECRET_ENV} on every node"
+        elif proof == _proof(None, nonce, r):
+            why = f"rank {r} has no group secret: set {GROUP_SECRET_ENV} on every node"
+        else:
+            why = f"rank {r} does not know the group's secret ({GROUP_SECRET_ENV} differs from rank 0's)"
+        break
+    store.set(f"{_AUTH_KEY}verdict", "ok" if failed is None else f"{failed} {why}: the group refuses to start")
+    if failed is not None:
+        raise GroupAuthError(f"{why}: the group refuses to start", rank=failed)
 
 
 def _count_usable_cores() -> int:

@@ -35,7 +35,7 @@ from server.launch import (
     resolve_nproc_per_node,
     resolve_world_size,
 )
-from shard_engine import HSDPInferenceConfig
+from shard_engine import HSDPInferenceConfig, wire
 
 PROG = "hsdp-load"
 DEFAULT_PROMPT = "Once upon a time"
@@ -135,9 +135,8 @@ def run_load_report(config: LoadReportConfig) -> dict | None:
     rank_stats = {"rank": dist.get_rank(), "host": socket.gethostname(), "device": str(device)}
     rank_stats.update(loaded.stats.as_dict())
     rank_stats["phase_seconds"] = {k: round(v, 3) for k, v in rank_stats["phase_seconds"].items()}
-    # all_gather_object over the default group; every rank reaches it after the same generate.
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, rank_stats)
+    # An all-gather over the default group (plain data, no pickle); every rank reaches it after the same generate.
+    gathered = wire.all_gather(rank_stats)
     if dist.get_rank() != 0:
         return None
     return build_report(config, loaded, gathered, generation)

@@ -125,7 +125,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
     from server.state import ServerState
     from server.watchdog import StepWatchdog
     from shard_engine import (enable_forward_prefetch, enable_shared_memory_all_gather, shared_weights_of,
-                              slots_for_depth)
+                              slots_for_depth, wire)
 
     tune_allocator()  # server.memory says why
     device = init_rank(resolve_device_type(cfg.device), cfg.collective_timeout_s)
@@ -166,7 +166,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
         available = size_kv_pool(cfg.kv_cache_memory, geometry, cfg.kv_block_size, device)
         per_rank = [None] * world_size
         # every rank, once; also the barrier between measuring free memory and allocating the pools
-        dist.all_gather_object(per_rank, (loaded.stats.bytes_read, residency.extra_bytes, available))
+        per_rank = wire.all_gather([loaded.stats.bytes_read, residency.extra_bytes, available])
         engine = RankEngine(loaded.model, device, rank, num_blocks=available, block_size=cfg.kv_block_size,
                             tokenizer=loaded.tokenizer)
         release_freed_memory()

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shard_engine import wire
 from shard_engine.overlap import fsdp_units, unit_param_group
 from shard_engine.shm_all_gather import disown, own
 
@@ -122,13 +123,12 @@ def share_resident_units(model: nn.Module, count: int, *, run_id: str | None = N
     for unit in chosen:
         entries, size = param_major_layout(unit, size)
         layout += entries
-    token = [job_token(run_id)]
-    dist.broadcast_object_list(token, src=0)  # one name for the whole run
+    token = wire.broadcast(job_token(run_id), src=0)  # one name for the whole run
     directory = path = None
     if reason is None:
         group = next(iter(groups.values())).mesh_info.shard_process_group
         ranks = dist.get_process_group_ranks(group)
-        directory = os.path.join(SHM_ROOT, f"hsdp-{token[0]}-w{ranks[0]}")
+        directory = os.path.join(SHM_ROOT, f"hsdp-{token}-w{ranks[0]}")
         path = os.path.join(directory, "weights")
         reason = _probe(directory, group, ranks, size)
         if reason is None and dist.get_rank() == ranks[0]:
@@ -142,9 +142,8 @@ def share_resident_units(model: nn.Module, count: int, *, run_id: str | None = N
                     os.close(fd)
             except OSError as e:
                 reason = f"cannot create {path}: {e}"
-        verdict = [reason]
-        dist.broadcast_object_list(verdict, src=ranks[0], group=group)
-        reason = reason or verdict[0]  # a rank that cannot see the group's file keeps its own reason
+        verdict = wire.broadcast(reason, src=ranks[0], group=group)
+        reason = reason or verdict  # a rank that cannot see the group's file keeps its own reason
     if not agree_on_shared_memory(reason, directory, "no shared copy of the resident units"):
         return None
 

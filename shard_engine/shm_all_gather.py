@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGather
 
+from shard_engine import wire
 from shard_engine.overlap import fsdp_units, unit_gathered_bytes, unit_param_group
 
 logger = logging.getLogger(__name__)
@@ -242,10 +243,9 @@ class UnitRing:
                         os.close(fd)
             except OSError as e:
                 problem = f"cannot create the unit slots: {e}"
-        verdict = [problem]
-        dist.broadcast_object_list(verdict, src=leader, group=group)
-        if verdict[0] is not None:
-            raise OSError(verdict[0])
+        verdict = wire.broadcast(problem, src=leader, group=group)
+        if verdict is not None:
+            raise OSError(verdict)
         maps = []
         for path, nbytes in files:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -349,8 +349,7 @@ class CounterBarrier:
         self._mapping = mapping
         self._view = memoryview(mapping).cast("q")
         self._mine = rank * _COUNTER_STRIDE
-        pids = [None] * world
-        dist.all_gather_object(pids, os.getpid(), group=group)
+        pids = wire.all_gather(os.getpid(), group=group)
         self._others = [(r * _COUNTER_STRIDE, r, pids[r]) for r in range(world) if r != rank]
         self.count = 0
 
@@ -432,12 +431,11 @@ def enable_shared_memory_all_gather(model: nn.Module, *, slots: int = 5, run_id:
     largest = max((unit_gathered_bytes(u)[0] for u in units), default=0)
     # the gather ring, and the leaf units' two slots
     need = min_free_bytes if min_free_bytes is not None else 2 * slots * largest + UnitRing.SLOTS * largest
-    token = [job_token(run_id)]
-    dist.broadcast_object_list(token, src=0)  # one name for the whole run
+    token = wire.broadcast(job_token(run_id), src=0)  # one name for the whole run
     directory = None
     if reason is None:
         ranks = dist.get_process_group_ranks(group)
-        directory = os.path.join(SHM_ROOT, f"hsdp-{token[0]}-g{ranks[0]}")
+        directory = os.path.join(SHM_ROOT, f"hsdp-{token}-g{ranks[0]}")
         reason = _probe(directory, group, ranks, need)
     if not agree_on_shared_memory(reason, directory, "all-gathers stay on the process group"):
         return None
@@ -466,8 +464,7 @@ def agree_on_shared_memory(reason: str | None, directory: str | None, fallback: 
     """True when no rank of the job has a ``reason`` against sharing memory; else every rank
     removes ``directory`` (if it got that far), logs ``fallback: the first reason`` and gets False.
     Collective over the default group."""
-    verdicts = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, reason)
+    verdicts = wire.all_gather(reason)
     failed = next((v for v in verdicts if v is not None), None)
     if failed is None:
         return True
@@ -493,15 +490,12 @@ def _probe(directory: str, group: dist.ProcessGroup, ranks: list[int], need_byte
     """None if every rank of ``group`` sees the bytes the group's first rank writes, else why not.
     Ranks of different nodes (hosts, or torchrun's nodes: ``GROUP_RANK``) never share memory, even
     where two nodes run on one host and would see the same /dev/shm."""
-    nodes = [None] * len(ranks)
-    dist.all_gather_object(nodes, (socket.gethostname(), os.environ.get("GROUP_RANK", "0")), group=group)
+    nodes = wire.all_gather(f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}", group=group)
     if len(set(nodes)) > 1:
         return f"the shard group spans {len(set(nodes))} nodes"
     me = dist.get_rank()
     path = os.path.join(directory, "probe")
-    stamp = uuid.uuid4().bytes
-    box = [stamp]
-    dist.broadcast_object_list(box, src=ranks[0], group=group)
+    stamp = wire.broadcast(uuid.uuid4().bytes, src=ranks[0], group=group)
     problem = None
     try:
         if me == ranks[0]:
@@ -512,7 +506,7 @@ def _probe(directory: str, group: dist.ProcessGroup, ranks: list[int], need_byte
                 problem = f"{SHM_ROOT} has {stat.f_bavail * stat.f_frsize >> 20} MiB free, {need_bytes >> 20} needed"
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as f:
-                f.write(box[0])
+                f.write(stamp)
     except OSError as e:
         problem = f"cannot write {path}: {e}"
     dist.barrier(group=group)
@@ -522,7 +516,7 @@ def _probe(directory: str, group: dist.ProcessGroup, ranks: list[int], need_byte
     if problem is None and me != ranks[0]:
         try:
             with open(path, "rb") as f:
-                if f.read() != box[0]:
+                if f.read() != stamp:
                     problem = f"{path} differs between ranks"
         except OSError:
             problem = f"rank {me} does not see {path}: another host or another /dev/shm"

@@ -3,7 +3,9 @@
 The manifest is parsed as Kubernetes parses it (YAML aliases resolved) and checked against what
 the image needs: the variables docker/entrypoint.sh reads, set on the leader and the workers from
 the variables LWS injects; the leader's HTTP port and probes; group restart; grace periods that
-fit the drain; and only HSDP_* names the server declares. The entrypoint is then run in dry-run
+fit the drain; and only HSDP_* names the server declares. The NetworkPolicy is evaluated as a
+network plugin would, for connections from the group's pods and from any other pod, and the
+group's secret must come from a Secret. The entrypoint is then run in dry-run
 mode with the environment Kubernetes would give each pod, and its torchrun command parsed by
 torchrun's own parser.
 """
@@ -34,6 +36,8 @@ ENTRYPOINT_VARIABLES = {"HSDP_NNODES", "HSDP_NODE_RANK", "HSDP_MASTER_ADDR", "HS
 FROM_LWS = {"HSDP_NNODES": "LWS_GROUP_SIZE", "HSDP_NODE_RANK": "LWS_WORKER_INDEX",
             "HSDP_MASTER_ADDR": "LWS_LEADER_ADDRESS"}
 WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+# Read by the server's ranks (server/launch.py), not options: the control plane's shared secret.
+GROUP_SECRET_VARIABLES = {"HSDP_GROUP_SECRET", "HSDP_GROUP_SECRET_FILE"}
 NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 
 
@@ -42,7 +46,8 @@ def manifest() -> dict[str, dict]:
     """{kind: object} for the file's documents."""
     docs = [d for d in yaml.safe_load_all(read(MANIFEST)) if d]
     by_kind = {d["kind"]: d for d in docs}
-    assert len(by_kind) == len(docs) and set(by_kind) == {"LeaderWorkerSet", "Service"}, [d["kind"] for d in docs]
+    assert len(by_kind) == len(docs) and set(by_kind) == {"LeaderWorkerSet", "Service", "NetworkPolicy"}, \
+        [d["kind"] for d in docs]
     return by_kind
 
 
@@ -207,8 +212,8 @@ def test_every_hsdp_name_is_one_the_server_or_entrypoint_reads():
     """Commented lines included: an operator uncomments them."""
     from server.config import ENVIRONMENT, OPTIONS, env_of
 
-    assert ENTRYPOINT_VARIABLES <= set(ENVIRONMENT)
-    known = {env_of(f) for f in OPTIONS} | ENTRYPOINT_VARIABLES
+    assert ENTRYPOINT_VARIABLES | GROUP_SECRET_VARIABLES <= set(ENVIRONMENT)
+    known = {env_of(f) for f in OPTIONS} | ENTRYPOINT_VARIABLES | GROUP_SECRET_VARIABLES
     used = set(re.findall(r"\bHSDP_[A-Z0-9_]+", read(MANIFEST)))
     assert ENTRYPOINT_VARIABLES - {"HSDP_MASTER_PORT"} <= used
     assert used <= known, used - known
@@ -228,6 +233,86 @@ def test_interface_variables_are_shown_and_passed_through():
         for service in ("hsdp-serve", "hsdp-serve-cpu"):
             assert compose["services"][service]["environment"][name] == "", (service, name)
         assert "${" + name + ":-}" in read(COMPOSE)
+
+
+# --- the control plane: the NetworkPolicy and the group's secret --------------------------------
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # matchExpressions: not evaluated here
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _port_matches(rule_port: dict, port: int, name: str | None) -> bool:
+    if rule_port.get("protocol", "TCP") != "TCP":
+        return False
+    wanted = rule_port.get("port")
+    end = rule_port.get("endPort")
+    if wanted is None:
+        return True
+    if isinstance(wanted, str):
+        return wanted == name
+    return wanted <= port <= (end or wanted)
+
+
+def admits(policy: dict, pod: dict[str, str], port: int, port_name: str | None, source: dict[str, str]) -> bool:
+    """Whether ``policy`` lets a TCP connection from a pod labelled ``source`` (same namespace)
+    reach ``port`` of a pod labelled ``pod``, as the NetworkPolicy API defines it: a pod no policy
+    selects takes everything; a selected one only what some rule admits (no ``ports``: every port;
+    no ``from``: every source)."""
+    spec = policy["spec"]
+    if not _selects(spec["podSelector"], pod) or "Ingress" not in spec.get("policyTypes", ["Ingress"]):
+        return True
+    for rule in spec.get("ingress", []):
+        ports = rule.get("ports")
+        if ports is not None and not any(_port_matches(p, port, port_name) for p in ports):
+            continue
+        peers = rule.get("from")
+        if peers is None:
+            return True
+        for peer in peers:
+            assert set(peer) == {"podSelector"}, peer  # no namespaceSelector, no ipBlock: this namespace's pods
+            if _selects(peer["podSelector"], source):
+                return True
+    return False
+
+
+def test_network_policy_keeps_the_group_ports_to_the_groups_pods(manifest, lws):
+    policy = manifest["NetworkPolicy"]
+    assert policy["apiVersion"] == "networking.k8s.io/v1"
+    name = lws["metadata"]["name"]
+    leader, worker = container(lws, "leader"), container(lws, "worker")
+    # what LWS labels each pod with (the role's own labels, and the LeaderWorkerSet's name)
+    pods = {role: {**template(lws, role)["metadata"]["labels"], NAME_LABEL: name} for role in ("leader", "worker")}
+    http = int(env_values(lws, "leader").get("HSDP_PORT") or 8000)
+    store = int(env_values(lws, "leader").get("HSDP_MASTER_PORT") or 29500)
+    assert named_port(leader, "rendezvous") == store
+    stranger = {"app": "anything-else"}
+    other_lws = {NAME_LABEL: name + "-other", "app.kubernetes.io/name": "hsdp-serve"}
+    # gloo and NCCL listen on ports they pick: any port but the API's is the group's
+    group_ports = [store, 1024, 29501, 45678, 65535]
+    for role, pod in pods.items():
+        c = leader if role == "leader" else worker
+        for port in group_ports:
+            assert admits(policy, pod, port, None, pods["leader"]), (role, port)
+            assert admits(policy, pod, port, None, pods["worker"]), (role, port)
+            assert not admits(policy, pod, port, None, stranger), (role, port)
+            assert not admits(policy, pod, port, None, other_lws), (role, port)
+        http_name = next((p["name"] for p in c.get("ports", []) if p["containerPort"] == http), None)
+        assert admits(policy, pod, http, http_name, stranger) == (role == "leader"), role  # the API, as today
+    # the Service's clients reach the leader's API through the policy
+    assert admits(policy, pods["leader"], http, "http", {})
+
+
+def test_the_group_secret_comes_from_a_secret(lws):
+    for role in ("leader", "worker"):
+        (entry,) = [e for e in env_list(lws, role) if e["name"] == "HSDP_GROUP_SECRET"]
+        assert "value" not in entry  # never written into the manifest itself
+        ref = entry["valueFrom"]["secretKeyRef"]
+        assert ref["name"] and ref["key"] and not ref.get("optional", False)
+    # the top of the file says how to create it
+    text = read(MANIFEST)
+    assert f"kubectl create secret generic {ref['name']} --from-literal={ref['key']}=" in text
 
 
 # --- the entrypoint with the environment each pod gets ----------------------------------------

@@ -39,7 +39,8 @@ class TwoNodes:
                  "-m", "server", "--model", str(model_dir), "--device", "cpu", "--port", str(self.http),
                  "--shard-size", "2"],
                 cwd=REPO, stdout=self.logs[n], stderr=subprocess.STDOUT, start_new_session=True,
-                env=dict(os.environ, PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo"),
+                env=dict(os.environ, PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo",
+                         HSDP_GROUP_SECRET="two-nodes-one-secret"),  # each rank proves it before the group starts
             )
             for n in (0, 1)
         ]
