@@ -21,7 +21,7 @@ from torch import nn
 
 from server.engine.attention import PagedKVCache, PagedLayout, use_paged_attention
 from server.engine.plan import PromptLogprobs, SequenceAdd, StepPlan, StepResult, TokenResult, Work
-from server.engine.sampling import BatchSampler, Row
+from server.engine.sampling import BatchSampler, Row, RowMasks
 
 logger = logging.getLogger(__name__)
 CPU_KV_SHARE = 0.2
@@ -132,6 +132,8 @@ class RankEngine:
             if add.rank == self.rank:
                 self.sequences[add.seq_id] = _Sequence(add)
                 self.sequences_started += 1
+                if add.params.grammar is not None:
+                    self._start_grammar(self.sequences[add.seq_id])
         tokens: list[TokenResult] = []
         self._prompt_logprobs: list[PromptLogprobs] = []
         if plan.forward:
@@ -202,14 +204,7 @@ class RankEngine:
             return []
         rows = [Row(s.params, s.tokens, s.num_generated) for s in sampling]
         logits = out.logits[0, :len(sample_rows)]
-        masks, failed = {}, {}  # per row: the tokens its grammar allows, or why it has none
-        for i, (seq, row) in enumerate(zip(sampling, rows)):
-            if seq.params.grammar is not None:
-                try:
-                    masks[i] = self._grammars().mask(seq.seq_id, seq.params.grammar, row.generated(),
-                                                     logits.shape[-1], logits.device)
-                except Exception as e:  # noqa: BLE001 - its sequence fails alone
-                    failed[i] = f"{type(e).__name__}: {e}"
+        masks, failed = self._grammar_masks(sampling, rows, logits)
         chosen = None
         if not failed:
             try:
@@ -217,12 +212,18 @@ class RankEngine:
             except Exception:  # noqa: BLE001 - find the row at fault below; the others go on
                 pass
         if chosen is None:
-            chosen = [failed.get(i) or self._sample_alone(logits[i:i + 1], row, {0: masks[i]} if i in masks else None)
+            chosen = [failed.get(i) or self._sample_alone(logits[i:i + 1], row, masks and masks.row(i))
                       for i, row in enumerate(rows)]
+        # the constrained rows' tokens, fed to their matchers in one call
+        fed = [(seq.seq_id, pick[0]) for seq, pick in zip(sampling, chosen)
+               if seq.params.grammar is not None and not isinstance(pick, str)]
+        outcomes = dict(zip((seq_id for seq_id, _ in fed), self._grammars().accept(fed) if fed else ()))
         results = []
         for seq, pick in zip(sampling, chosen):
-            if isinstance(pick, str):
-                results.append(TokenResult(seq.seq_id, -1, 0.0, error=pick))
+            stop, error = outcomes.get(seq.seq_id, (False, None))
+            if isinstance(pick, str) or error is not None:
+                # a matcher in an error state (a limit reached) fails its sequence: never a stop
+                results.append(TokenResult(seq.seq_id, -1, 0.0, error=pick if isinstance(pick, str) else error))
                 del self.sequences[seq.seq_id]
                 if self._grammar_rows is not None:
                     self._grammar_rows.forget(seq.seq_id)
@@ -230,9 +231,29 @@ class RankEngine:
             token, logprob, top = pick
             seq.tokens.append(token)
             seq.num_generated += 1
-            stop = seq.params.grammar is not None and self._grammars().accept(seq.seq_id, token)
             results.append(TokenResult(seq.seq_id, token, logprob, top, stop=stop))
         return results
+
+    def _start_grammar(self, seq: _Sequence) -> None:
+        """Build a new sequence's matcher off the step, while the forward runs (a failure to is
+        reported by the step that masks it)."""
+        generated = seq.tokens[len(seq.tokens) - seq.num_generated:] if seq.num_generated else []
+        try:
+            self._grammars().start(seq.seq_id, seq.params.grammar, generated)
+        except Exception:  # noqa: BLE001 - _grammar_masks fails the sequence with the reason
+            pass
+
+    def _grammar_masks(self, sampling: list[_Sequence], rows: list[Row], logits_NV):
+        """The constrained rows' masks (one :class:`RowMasks`, or None), and ``{row: why}`` for
+        those that cannot go on."""
+        constrained = [(i, seq.seq_id, seq.params.grammar, row.generated())
+                       for i, (seq, row) in enumerate(zip(sampling, rows)) if seq.params.grammar is not None]
+        if not constrained:
+            return None, {}
+        try:
+            return self._grammars().masks(constrained, logits_NV.shape[-1], logits_NV.device)
+        except Exception as e:  # noqa: BLE001 - those sequences fail, the others go on
+            return None, {i: f"{type(e).__name__}: {e}" for i, *_ in constrained}
 
     def _score_prompts(self, logits, scored) -> None:
         """Each scored prompt position's next token: its log-probability under the raw scores, and
@@ -263,7 +284,7 @@ class RankEngine:
             self._grammar_rows = GrammarRows(grammars_of(self.tokenizer))
         return self._grammar_rows
 
-    def _sample_alone(self, logits_1V, row: Row, allowed=None):
+    def _sample_alone(self, logits_1V, row: Row, allowed: RowMasks | None = None):
         try:
             return self.sampler.sample(logits_1V, [row], allowed)[0]
         except Exception as e:  # noqa: BLE001 - one sequence's bad parameters must not stop the group

@@ -120,26 +120,46 @@ class Row:
         return self.tokens[len(self.tokens) - self.num_generated:] if self.num_generated else []
 
 
+@dataclass(frozen=True)
+class RowMasks:
+    """The tokens a step's constrained rows allow, all rows in one tensor
+    (``server.engine.grammar.GrammarRows.masks``)."""
+
+    rows_M: torch.Tensor
+    """long: the batch rows (of ``logits_NV``) these masks are for."""
+    allowed_MV: torch.Tensor
+    """bool, one row per entry of ``rows_M``: the tokens its grammar allows."""
+
+    def row(self, i: int) -> RowMasks | None:
+        """Batch row ``i``'s mask, as the mask of a batch of that row alone (None: it has none)."""
+        at = (self.rows_M == i).nonzero().flatten()
+        if at.numel() == 0:
+            return None
+        return RowMasks(torch.zeros(1, dtype=torch.long, device=self.rows_M.device),
+                        self.allowed_MV.index_select(0, at[:1]))
+
+
 class BatchSampler:
     def __init__(self):
         self._generator = torch.Generator()
 
     def sample(self, logits_NV: torch.Tensor, rows: list[Row],
-               allowed: dict[int, torch.Tensor] | None = None) -> list[tuple[int, float, list[tuple[int, float]]]]:
+               allowed: RowMasks | None = None) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """Per row: the next token, its log-probability under the model, and the ``top_logprobs``
-        most likely tokens with theirs. ``allowed``: per row index, a [vocab] bool mask of the
-        tokens its grammar allows (the others are never chosen). Those rows of ``logits_NV`` are
-        masked in place, once the model's own log-probabilities are taken from them: a copy of
-        the whole batch's logits per step would cost every row for one constrained one."""
+        most likely tokens with theirs. ``allowed``: the constrained rows' masks of the tokens
+        their grammars allow (the others are never chosen). Those rows of ``logits_NV`` are masked
+        in place, in one operation, once the model's own log-probabilities are taken from them: a
+        copy of the whole batch's logits per step would cost every row for a few constrained ones."""
         logits_NV = logits_NV.float()
         # the model's distribution, before any mask (one fused pass: half logsumexp's time on CPU)
         logprobs_NV = torch.log_softmax(logits_NV, dim=-1)
         tops = {i: torch.topk(logprobs_NV[i], row.params.top_logprobs)
                 for i, row in enumerate(rows) if row.params.top_logprobs}
-        for i, mask in (allowed or {}).items():
-            if not bool(mask.any()):
+        if allowed is not None:
+            if not bool(allowed.allowed_MV.any(dim=-1).all()):
                 raise ValueError("the grammar allows no token here")
-            logits_NV[i].masked_fill_(~mask, float("-inf"))
+            masked_MV = torch.where(allowed.allowed_MV, logits_NV.index_select(0, allowed.rows_M), float("-inf"))
+            logits_NV.index_copy_(0, allowed.rows_M, masked_MV)
         scores_NV = self._process(logits_NV, rows)
         tokens_N = torch.argmax(scores_NV, dim=-1)
         sampled = [i for i, row in enumerate(rows) if row.params.samples]
