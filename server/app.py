@@ -10,20 +10,26 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server import __version__
 from server.errors import register_error_handlers
-from server.guard import GuardMiddleware
+from server.guard import GuardMiddleware, allowed_hosts_for
+from server.responses import FiniteJSONResponse
 from server.api.openai.router import build_openai_router
 from server.state import ServerState
 from server.api.tgi.router import build_tgi_router
 from server.api.tokenize import build_tokenize_router
 from server.ui import build_ui_router
 
-DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 
 
-def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    app = FastAPI(title="hsdp-serve", version=__version__)
+def build_app(state: ServerState, cfg=None) -> FastAPI:
+    """The app; ``cfg`` (``server.config.ServeConfig``, default: the defaults) gives the guard's limits."""
+    from server.config import ServeConfig
+
+    cfg = cfg or ServeConfig()
+    app = FastAPI(title="hsdp-serve", version=__version__, default_response_class=FiniteJSONResponse)
     register_error_handlers(app)
-    app.add_middleware(GuardMiddleware, metrics=state.metrics, api_key=state.api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(GuardMiddleware, metrics=state.metrics, api_key=state.api_key, max_body_bytes=cfg.max_body_bytes,
+                       max_buffered_body_bytes=cfg.max_buffered_body_bytes, body_timeout_s=cfg.body_timeout_s,
+                       allowed_hosts=allowed_hosts_for(cfg.host, cfg.allowed_hosts), open_metrics=cfg.open_metrics)
     app.include_router(build_tgi_router(state))
     app.include_router(build_openai_router(state))
     app.include_router(build_tokenize_router(state))
@@ -35,10 +41,17 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """Liveness: 503 once the group has failed, or while a step group has had work and made no
+        progress for ``--liveness-timeout`` (a stuck step: an orchestrator should restart the group)."""
         ok = state.phase != "failed"
         body = {"status": "ok" if ok else "failed", "phase": state.phase}
         if state.failure:
             body["error"] = state.failure
+        stalled = state.stalled_for()
+        if ok and stalled > state.liveness_timeout_s:
+            ok = False
+            body.update(status="stalled", error=f"no step has ended for {stalled:.0f} s while requests wait "
+                                                f"(--liveness-timeout {state.liveness_timeout_s:g} s)")
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/ready")

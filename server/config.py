@@ -31,7 +31,10 @@ def parse_resident_units(text: str) -> int | None:
     return None if text == "auto" else int_or_keyword("all", -1, 0)(text)
 MIN_STEP_TIMEOUT_S = 2.0
 ENV_PREFIX = "HSDP_"
-GROUPS = ("model", "group", "http", "admission", "memory", "timeouts", "speed")
+GROUPS = ("model", "group", "http", "admission", "limits", "memory", "timeouts", "speed")
+LIMIT_GROUPS = ("limits", "timeouts")
+"""The groups the README's "Limits and timeouts" table lists, after :data:`CONNECTION_LIMITS`."""
+CONNECTION_LIMITS = ("max_body_bytes", "max_buffered_body_bytes", "max_connections")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
@@ -124,12 +127,27 @@ class ServeConfig:
     port: int = option(8000, "port to listen on", "http", type=int)
     log_level: str | None = option(None, "every process's level (default: rank 0 info, the others warning)",
                                    "http", choices=LOG_LEVELS)
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every endpoint but /health, /ready "
-                                 "and /metrics; prefer the variable or a file to the flag", "http",
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every endpoint but /health and "
+                                 "/ready (and /metrics with --open-metrics); printable ASCII; prefer the variable "
+                                 "or a file to the flag", "http",
                                  metavar="KEY", secret=True)
     api_key_file: str | None = option(None, "read the API key from this file (a Docker or Kubernetes secret); "
                                       "wins over the key", "http", metavar="PATH")
     max_body_bytes: int = option(1024 * 1024, "largest request body; larger ones get 413", "http", type=int)
+    max_buffered_body_bytes: int = option(
+        64 * 1024 * 1024, "request bodies held in memory at once over all connections (bodies are read whole "
+        "before a route runs); a body that would pass it gets 503, so stalled uploads cannot fill rank 0's memory",
+        "http", type=parse_size, metavar="SIZE")
+    max_connections: int = option(
+        1000, "open HTTP connections at once; a request on a connection beyond it gets 503 (a file descriptor and "
+        "a few KiB each: the cap keeps a flood of idle sockets from exhausting rank 0)", "http", type=int,
+        metavar="N")
+    allowed_hosts: str | None = option(
+        None, "Host header values accepted, comma-separated (a port may follow each); others get 403, which stops "
+        "DNS rebinding; default: localhost, 127.0.0.1 and [::1] when listening on loopback, any host otherwise",
+        "http", metavar="HOST,...")
+    open_metrics: bool = option(False, "serve /metrics without the API key (for a scraper that cannot send one); "
+                                "by default /metrics needs the key when one is set", "http", switch=True)
 
     max_concurrent_requests: int = option(128, "sequences decoding at once over the whole group; more wait",
                                           "admission", type=int)
@@ -139,6 +157,19 @@ class ServeConfig:
                                           type=int)
     max_total_tokens: int | None = option(None, "prompt plus new tokens (default: the model's positions, at most "
                                           "4096)", "admission", type=int)
+
+    max_sequences_per_request: int = option(
+        64, "sequences one request may start: prompts x n (OpenAI), best_of (TGI); more get 4xx naming the "
+        "parameter", "limits", type=int, metavar="N")
+    max_stop_sequences: int = option(16, "stop sequences one request may give", "limits", type=int, metavar="N")
+    max_stop_sequence_chars: int = option(
+        256, "longest stop sequence in characters (each is looked for at every token)", "limits", type=int,
+        metavar="N")
+    max_top_logprobs: int = option(20, "alternatives per token a request may ask for (logprobs, top_logprobs, "
+                                   "top_n_tokens)", "limits", type=int, metavar="N")
+    max_tokenize_tokens: int = option(
+        16384, "tokens one /tokenize answer may carry (its spans are built and written on rank 0's event loop); a "
+        "longer text gets 4xx", "limits", type=int, metavar="N")
 
     kv_cache_memory: int | None = option(
         None, "KV cache per rank, allocated once at startup: a size (512MiB, 2GiB) or auto (on CPU a fifth of the "
@@ -152,6 +183,24 @@ class ServeConfig:
     prefix_caching: bool = option(True, "reuse the KV blocks of prompts' common prefixes (--no-prefix-caching: "
                                   "off)", "memory", switch=True)
 
+    header_timeout_s: float = option(
+        30.0, "a connection must finish sending a request's headers within this (from connecting, or from the end "
+        "of its previous response plus the keep-alive wait), else 408 and closed (nginx: 60 s)", "timeouts",
+        flag="--header-timeout", type=float, metavar="S")
+    body_timeout_s: float = option(
+        60.0, "a request's body must arrive whole within this, else 408 (nginx: 60 s between two reads)",
+        "timeouts", flag="--body-timeout", type=float, metavar="S")
+    keep_alive_timeout_s: float = option(
+        5.0, "an idle connection between requests is closed after this (uvicorn's default)", "timeouts",
+        flag="--keep-alive-timeout", type=float, metavar="S")
+    slow_reader_timeout_s: float = option(
+        30.0, "a client that takes nothing of its response for this long is cut off: the connection closed, its "
+        "sequences cancelled and their KV blocks freed", "timeouts", flag="--slow-reader-timeout", type=float,
+        metavar="S")
+    liveness_timeout_s: float = option(
+        60.0, "GET /health fails (503) when work is waiting and no step has ended for this long, so an orchestrator "
+        "restarts a stuck group long before --step-timeout", "timeouts", flag="--liveness-timeout", type=float,
+        metavar="S")
     step_timeout_s: float = option(300.0, "a step (one forward on every rank, the control channel included) "
                                    f"longer than this dumps stacks and stops the group; at least {MIN_STEP_TIMEOUT_S:g}",
                                    "timeouts", flag="--step-timeout", type=float, metavar="S")
@@ -194,6 +243,21 @@ class ServeConfig:
             raise ValueError(f"--step-timeout must be >= {MIN_STEP_TIMEOUT_S:g} s, got {self.step_timeout_s:g}")
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ValueError(f"--max-buffered-body-bytes ({self.max_buffered_body_bytes}) must be >= "
+                             f"--max-body-bytes ({self.max_body_bytes})")
+        for name in ("max_connections", "max_sequences_per_request", "max_stop_sequence_chars", "max_tokenize_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_stop_sequences", "max_top_logprobs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "slow_reader_timeout_s",
+                     "liveness_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be positive")
+        if self.api_key is not None:
+            check_api_key(self.api_key)
         if not 1 <= self.load_concurrency <= 64:
             raise ValueError(f"--load-concurrency must be in 1..64, got {self.load_concurrency}")
         if self.prefetch_depth < 0:
@@ -240,6 +304,10 @@ ENVIRONMENT = {
     "HSDP_CACHE_DIR": "where the default and demo checkpoints are written (default ~/.cache/hsdp-serve)",
     "HSDP_PROBE_HOST": "host the health probe (python -m server.probe) dials (default 127.0.0.1)",
     "HSDP_INJECT_FORWARD_FAULT": "fault drills only: RANK:N raises inside forward N on that rank",
+    "HSDP_INJECT_FORWARD_DELAY": "fault drills only: RANK:SECONDS makes every forward of that rank this much slower",
+    "HSDP_INJECT_LOAD_DELAY": "fault drills only: SECONDS of delay after each tensor a rank loads",
+    "HSDP_INJECT_GRAMMAR_LIMITS": "fault drills only: llguidance parser limits (NAME=N,...) for every grammar",
+    "HSDP_SPAWN_TITLE": "set by the launcher for the ranks it spawns: their name in ps until they know their rank",
     "HSDP_DRY_RUN": "docker/entrypoint.sh: print the command it would run, and exit",
     "HSDP_NNODES": "docker/entrypoint.sh: nodes in the group; above 1 it starts torchrun",
     "HSDP_NODE_RANK": "docker/entrypoint.sh: this node's rank (0 serves HTTP)",
@@ -271,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     for f in OPTIONS:
         o = f.metadata["option"]
         shown = show_default(f)
-        help_text = o.help + (f" (default: {shown})" if shown else "")
+        # argparse %-formats help texts: a literal % (as in "90% of what is free") must be doubled
+        help_text = (o.help + (f" (default: {shown})" if shown else "")).replace("%", "%%")
         if o.switch:
             p.add_argument(flag_of(f), dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                            help=help_text)
@@ -314,6 +383,14 @@ def parse_serve_config(argv: list[str] | None = None, environ: Mapping[str, str]
         parser.error(str(e))
 
 
+def check_api_key(key: str) -> None:
+    """An API key must be something a header carries byte for byte: visible ASCII, no spaces (a
+    key with other characters is refused at startup rather than failing every request later)."""
+    if not key or any(not 0x21 <= ord(c) <= 0x7E for c in key):
+        raise ValueError("the API key must be printable ASCII without spaces (what an Authorization header "
+                         "carries unchanged); generate one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+
+
 def read_key_file(path: str) -> str:
     from server.launch import read_secret_file
 
@@ -349,5 +426,20 @@ def render_options_markdown() -> str:
     return "\n".join(rows)
 
 
+def render_limits_markdown() -> str:
+    """The README's "Limits and timeouts" table: every bound on what a client may send, ask for or
+    withhold, from the same declaration."""
+    rows = ["| limit | default | what happens past it, and why |", "|---|---|---|"]
+    chosen = [f for f in OPTIONS if f.name in CONNECTION_LIMITS]
+    chosen += [f for group in LIMIT_GROUPS for f in OPTIONS if f.metadata["option"].group == group]
+    for f in chosen:
+        o = f.metadata["option"]
+        spelled = (flag_of(f) + (f" {o.metavar}" if o.metavar else "")).replace("|", "\\|")
+        rows.append(f"| `{spelled}` | {show_default(f) or ''} | {o.help} |")
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
-    print(render_options_markdown())
+    import sys
+
+    print(render_limits_markdown() if "--limits" in sys.argv else render_options_markdown())

@@ -93,8 +93,14 @@ def held_back(text: str, targets) -> int:
     proper prefix of one of them that ``text`` ends with)."""
     keep = 0
     for target in targets:
-        for n in range(min(len(target) - 1, len(text)), keep, -1):
-            if target.startswith(text[-n:]):
-                keep = n
+        if not target:
+            continue
+        # only the places where the target's first character stands can begin it: the longest first
+        longest = min(len(target) - 1, len(text))
+        i = text.find(target[0], len(text) - longest)
+        while i != -1 and len(text) - i > keep:
+            if target.startswith(text[i:]):
+                keep = len(text) - i
                 break
+            i = text.find(target[0], i + 1)
     return keep

@@ -45,6 +45,20 @@ class BodyTooLargeError(APIError):
     openai_code = "request_too_large"
 
 
+class ForbiddenError(APIError):
+    status_code = 403
+    error_type = "forbidden"
+    openai_type = "invalid_request_error"
+    openai_code = "forbidden"
+
+
+class RequestTimeoutError(APIError):
+    status_code = 408
+    error_type = "timeout"
+    openai_type = "invalid_request_error"
+    openai_code = "request_timeout"
+
+
 class ModelNotFoundError(APIError):
     status_code = 404
     error_type = "model_not_found"

@@ -9,6 +9,7 @@ scheduler is told to free the sequence). Both APIs read the same events.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -18,14 +19,48 @@ from server.engine.scheduler import ErrorEvent, RequestHandle, TokenEvent, choos
 from server.errors import GenerationError, InputValidationError, OverloadedError, UnavailableError
 from server.state import ServerState
 
-MAX_STOP_SEQUENCES = 16
-"""Stop sequences a request may give, on either API."""
+def require_ready(state: ServerState) -> None:
+    """503 until the model is loaded and warmed up (before then there is no tokenizer to use)."""
+    if not state.ready:
+        raise UnavailableError(f"not ready: {state.phase}", headers={"Retry-After": "1"})
+
+
+async def off_loop(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on a worker thread: tokenizing a long text or rendering a chat
+    template takes milliseconds to seconds, and on the event loop every other request (and
+    ``/health``) would wait for it."""
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+async def tokenize(state: ServerState, text: str, **kwargs) -> list[int]:
+    """``text``'s token ids, off the event loop."""
+    return (await off_loop(state.tokenizer, text, **kwargs)).input_ids
+
+
+def check_request_bounds(state: ServerState, *, sequences: int, sequences_param: str, stops: list[str] = (),
+                         stop_param: str = "stop", top_logprobs: int = 0, top_param: str = "logprobs") -> None:
+    """The work one request may ask for (``--max-sequences-per-request``, ``--max-stop-sequences``,
+    ``--max-stop-sequence-chars``, ``--max-top-logprobs``): else the API's validation error naming
+    the parameter."""
+    limits = state.limits
+    if sequences > limits.max_sequences_per_request:
+        raise InputValidationError(
+            f"{sequences_param}: the request asks for {sequences} sequences; at most "
+            f"{limits.max_sequences_per_request} per request (--max-sequences-per-request)", param=sequences_param)
+    if len(stops) > limits.max_stop_sequences:
+        raise InputValidationError(f"{stop_param}: at most {limits.max_stop_sequences} stop sequences, got "
+                                   f"{len(stops)} (--max-stop-sequences)", param=stop_param)
+    if any(len(s) > limits.max_stop_sequence_chars for s in stops):
+        raise InputValidationError(f"{stop_param}: a stop sequence has at most {limits.max_stop_sequence_chars} "
+                                   f"characters (--max-stop-sequence-chars)", param=stop_param)
+    if top_logprobs > limits.max_top_logprobs:
+        raise InputValidationError(f"{top_param}: at most {limits.max_top_logprobs} alternatives per token, got "
+                                   f"{top_logprobs} (--max-top-logprobs)", param=top_param)
 
 
 def check_admission(state: ServerState, prompt_ids: list[int], max_new_tokens: int | None) -> int:
     """Raise unless the server is ready and the request fits the limits; the new-token budget."""
-    if not state.ready:
-        raise UnavailableError(f"not ready: {state.phase}")
+    require_ready(state)
     limits = state.limits
     if not prompt_ids:
         raise InputValidationError("the input must not tokenize to an empty sequence", param="inputs")
@@ -58,35 +93,61 @@ def check_admission(state: ServerState, prompt_ids: list[int], max_new_tokens: i
 
 def check_token_ids(ids, vocab: int, param: str) -> None:
     """Token ids a request gives (prompts, logit_bias, stop_token_ids, detokenize) must lie in the
-    vocabulary; the first that does not is the API's validation error naming ``param``."""
+    vocabulary (``state.vocab_size`` for what reaches the model: the embedding's rows may be fewer
+    than the tokenizer's tokens, and an id past them would fail inside the forward on every rank);
+    the first that does not is the API's validation error naming ``param``."""
     if bad := [t for t in ids if not 0 <= t < vocab]:
         raise InputValidationError(f"{param}: token id {bad[0]} is outside the vocabulary ({vocab} tokens)",
                                    param=param)
 
 
-def compile_grammar(state: ServerState, kind: str, spec, param: str) -> str:
+GRAMMAR_THREADS = 2
+"""Grammar builds and checks that run at once on rank 0, off its event loop (llguidance drops the
+GIL while it compiles: each holds a core for up to a second); more wait their turn."""
+
+
+@functools.cache
+def _grammar_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="hsdp-grammar-check")
+
+
+async def run_grammar_work(fn, *args):
+    """``fn(*args)`` on rank 0's bounded grammar threads, awaited: the event loop (``/health``
+    among the rest) answers while a large grammar compiles."""
+    return await asyncio.get_running_loop().run_in_executor(_grammar_threads(), fn, *args)
+
+
+async def compile_grammar(state: ServerState, kind: str, spec, param: str) -> str:
     """The llguidance grammar of a request's structured-output field, checked against the served
-    vocabulary; a schema or pattern it cannot take is the API's validation error naming ``param``."""
+    vocabulary (compiled off the event loop; rank 0's engine then copies the compiled form); a
+    schema or pattern it cannot take is the API's validation error naming ``param``."""
     from server.engine.grammar import grammar_for, grammars_of
 
-    try:
+    def build() -> str:
         grammar = grammar_for(kind, spec)
         grammars_of(state.tokenizer).check(grammar)
+        return grammar
+
+    try:
+        return await run_grammar_work(build)
     except Exception as e:  # noqa: BLE001 - llguidance's errors are plain exceptions with a message
         raise InputValidationError(f"{param}: {e}", param=param) from e
-    return grammar
 
 
 class RequestStream:
     """One request, submitted on construction; its events carried from the engine thread into this loop."""
 
-    def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams, stop: list[str]):
+    def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams, stop: list[str],
+                 cache_salt: str | None = None):
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.state = state
         self.handle = RequestHandle(
             prompt_ids, choose_seed(params),
             deliver=lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event),
+            cache_root=cache_root(cache_salt),
         )
         self.detokenizer = IncrementalDetokenizer(state.tokenizer)
         self.stops = StopSequences(stop)
@@ -198,8 +259,18 @@ async def collect_all(streams: list[RequestStream], request) -> list[list[TokenE
     return collected
 
 
+def cache_root(salt: str | None) -> bytes:
+    """The prefix-cache key a request's block chain starts from: its ``cache_salt``'s digest, so
+    that only requests with the same salt share cached blocks (and can time each other's hits)."""
+    if not salt:
+        return b""
+    import hashlib
+
+    return hashlib.blake2b(b"cache_salt:" + salt.encode(), digest_size=16).digest()
+
+
 def open_streams(state: ServerState, prompts: list[list[int]], params: SamplingParams, copies: int,
-                 stop: list[str]) -> list[RequestStream]:
+                 stop: list[str], cache_salt: str | None = None) -> list[RequestStream]:
     """``copies`` streams per prompt (OpenAI's ``n``, TGI's ``best_of``), stream ``i * copies + j``;
     where seeded, copy j samples with seed + j, so that copies differ and each replays. All or none
     are submitted (a 429 part way cancels those already in)."""
@@ -210,7 +281,7 @@ def open_streams(state: ServerState, prompts: list[list[int]], params: SamplingP
         for ids in prompts:
             for j in range(copies):
                 seeded = params if j == 0 or params.seed is None else replace(params, seed=params.seed + j)
-                streams.append(RequestStream(state, ids, seeded, stop))
+                streams.append(RequestStream(state, ids, seeded, stop, cache_salt))
     except BaseException:
         for stream in streams:
             state.scheduler.cancel(stream.handle)

@@ -337,6 +337,7 @@ def _run_rank(entrypoint: Callable[..., Any], args: tuple, log_level: str | None
         _detach_from_launcher()
     if title:
         set_process_title(f"{title} rank {rank}/{os.environ.get('WORLD_SIZE', '?')}")
+    os.environ.pop("HSDP_SPAWN_TITLE", None)  # this rank's own children are not ranks
     configure_logging(log_level, rank=rank)
     try:
         result = entrypoint(*args)
@@ -527,6 +528,14 @@ def _register_loopback_rendezvous() -> str:
     return _LOOPBACK_RDZV
 
 
+def _name_ranks_from_their_start(title: str) -> None:
+    """The ranks spawned from here are named as their interpreters start, before seconds of
+    imports (``server/_spawn_site/sitecustomize.py`` says how)."""
+    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_spawn_site")
+    os.environ["HSDP_SPAWN_TITLE"] = title
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
+
+
 def _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, shutdown_timeout_s, title) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -560,6 +569,8 @@ def _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, s
         logger.debug("launching %d rank(s), run id %s", nproc_per_node, config.run_id)
         if sys.platform.startswith("linux"):  # gloo's own sockets on loopback too (the ranks inherit it)
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if title:
+            _name_ranks_from_their_start(f"{title} rank (starting)")
         with _passing_stop_signals_to_ranks(shutdown_timeout_s) as received:
             try:
                 results = elastic_launch(config, _run_rank)(entrypoint, args, log_level, title, True)

@@ -23,11 +23,21 @@ _HTTP_START_TIMEOUT_S = 30.0
 _FAILURE_LINGER_S = 2.0
 
 
-def start_http_server(app, host: str, port: int):
-    """Run uvicorn on a daemon thread; returns once it listens, raises if it cannot."""
+def start_http_server(app, cfg: ServeConfig, metrics=None):
+    """Run uvicorn on a daemon thread, with the connection timeouts and cap of ``cfg``
+    (``server.connections``); returns once it listens, raises if it cannot."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    from server.connections import guarded_protocol
+
+    host, port = cfg.host, cfg.port
+    protocol = guarded_protocol(header_timeout_s=cfg.header_timeout_s, slow_reader_timeout_s=cfg.slow_reader_timeout_s,
+                                metrics=metrics)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, http=protocol,
+        timeout_keep_alive=cfg.keep_alive_timeout_s, limit_concurrency=cfg.max_connections,
+        # the listen backlog: connections the kernel queues before accept (uvicorn's default, 2048)
+        backlog=2048))
     thread = threading.Thread(target=server.run, name="http", daemon=True)
     thread.start()
     deadline = time.monotonic() + _HTTP_START_TIMEOUT_S
@@ -48,7 +58,9 @@ def _resolve_limits(cfg: ServeConfig, model_config):
     if inputs >= total:
         raise ValueError(f"--max-input-tokens ({inputs}) must be < --max-total-tokens ({total})")
     return Limits(max_input_tokens=inputs, max_total_tokens=total, max_concurrent_requests=cfg.max_concurrent_requests,
-                  max_queued_requests=cfg.max_queued_requests)
+                  max_queued_requests=cfg.max_queued_requests, max_sequences_per_request=cfg.max_sequences_per_request,
+                  max_stop_sequences=cfg.max_stop_sequences, max_stop_sequence_chars=cfg.max_stop_sequence_chars,
+                  max_top_logprobs=cfg.max_top_logprobs, max_tokenize_tokens=cfg.max_tokenize_tokens)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -137,9 +149,9 @@ def serve_rank(cfg: ServeConfig, source) -> None:
         state = ServerState(
             model_names=[cfg.served_model_name or source.name], model_path=source.path, model_source=source.kind,
             dtype=cfg.dtype, mesh_shape=mesh_shape, world_size=world_size, metrics=ServerMetrics(),
-            api_key=cfg.api_key,
+            api_key=cfg.api_key, liveness_timeout_s=cfg.liveness_timeout_s,
         )
-        http = start_http_server(build_app(state, max_body_bytes=cfg.max_body_bytes), cfg.host, cfg.port)
+        http = start_http_server(build_app(state, cfg), cfg, state.metrics)
     try:
         from loaders.checkpoint import load_config
         from server.api.openai.chat import ChatRenderer, read_chat_template
@@ -164,7 +176,6 @@ def serve_rank(cfg: ServeConfig, source) -> None:
                 raise ValueError("--all-gather shm: the ranks cannot share memory (see the log); use auto or group")
         geometry = KVGeometry.of(loaded.model)
         available = size_kv_pool(cfg.kv_cache_memory, geometry, cfg.kv_block_size, device)
-        per_rank = [None] * world_size
         # every rank, once; also the barrier between measuring free memory and allocating the pools
         per_rank = wire.all_gather([loaded.stats.bytes_read, residency.extra_bytes, available])
         engine = RankEngine(loaded.model, device, rank, num_blocks=available, block_size=cfg.kv_block_size,
@@ -207,6 +218,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
                                "sequences are refused (raise --kv-cache-memory)", scheduler.max_sequence_tokens,
                                limits.max_total_tokens)
             state.special_ids = frozenset(getattr(loaded.tokenizer, "all_special_ids", ()))
+            state.vocab_size = min(len(loaded.tokenizer), getattr(loaded.config, "vocab_size", None) or 1 << 62)
             state.limits, state.tokenizer, state.scheduler = limits, loaded.tokenizer, scheduler
             state.chat = ChatRenderer(loaded.tokenizer, read_chat_template(cfg.chat_template), cfg.tool_call_parser)
             state.sampling_defaults = sampling_defaults(loaded.model)

@@ -60,6 +60,11 @@ class ServerMetrics:
                                  "gather_ring_share, kv_pool, runtime, and the process's rss and pss "
                                  "(reported every few seconds)", ["rank", "kind"], registry=r)
         self.failures = Counter("hsdp_failures", "Failed requests by reason", ["reason"], registry=r)
+        self.connections_timed_out = Counter(
+            "hsdp_connections_timed_out", "Connections closed by a deadline: headers, body, slow_reader "
+            "(server.connections, server.guard)", ["deadline"], registry=r)
+        self.buffered_body_bytes = Gauge("hsdp_buffered_body_bytes", "Request body bytes held in memory now, "
+                                         "over all connections", registry=r)
 
     def endpoint_label(self, path: str) -> str:
         return path if path in KNOWN_ENDPOINTS else "other"

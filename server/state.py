@@ -12,10 +12,17 @@ LOAD_PROGRESS_KEY = "hsdp/load-progress/"
 
 @dataclass(kw_only=True)
 class Limits:
+    """What one request may ask for (``server.config``'s admission and limits options, resolved)."""
+
     max_input_tokens: int
     max_total_tokens: int
     max_concurrent_requests: int
     max_queued_requests: int
+    max_sequences_per_request: int = 64
+    max_stop_sequences: int = 16
+    max_stop_sequence_chars: int = 256
+    max_top_logprobs: int = 20
+    max_tokenize_tokens: int = 16384
 
 
 @dataclass
@@ -35,6 +42,7 @@ class ServerState:
     load_total_bytes: int = 0
     scheduler: object | None = None
     tokenizer: object | None = None
+    vocab_size: int | None = None  # token ids a request may give: the tokenizer's that the embedding has rows for
     metrics: object | None = None
     api_key: str | None = None
     residency: dict | None = None  # what --resident-units and --prefetch-depth did, per rank
@@ -42,7 +50,14 @@ class ServerState:
     sampling_defaults: dict = field(default_factory=dict)  # generation_config.json's, for OpenAI requests
     special_ids: frozenset = frozenset()  # the tokenizer's special tokens (TGI's `special`)
     chat: object | None = None  # server.api.openai.chat.ChatRenderer: chat template and tool-call format
+    liveness_timeout_s: float = 60.0  # --liveness-timeout: /health fails past it (stalled_for)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def stalled_for(self) -> float:
+        """Seconds some step group has had work and made no progress (0 before the scheduler exists)."""
+        import time
+
+        return self.scheduler.stalled_for(time.perf_counter()) if self.scheduler is not None else 0.0
 
     def set_phase(self, phase: str, failure: str | None = None) -> None:
         """Move to ``phase``; ``failed`` is final (a drain that follows a failure does not hide it)."""

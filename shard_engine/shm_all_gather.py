@@ -109,6 +109,21 @@ def sweep_stale(root: str = SHM_ROOT, min_age_s: float = STALE_AFTER_S) -> list[
     return removed
 
 
+def reserve_shared_file(fd: int, nbytes: int, path: str) -> None:
+    """Give a shared file its pages now: a tmpfs that is full fails here with a named error, where
+    a file only sized with ``ftruncate`` raises SIGBUS at the first write past what it can hold
+    (inside a forward). Where the file system cannot reserve (EOPNOTSUPP), it stays sized only."""
+    import errno
+
+    try:
+        os.posix_fallocate(fd, 0, max(nbytes, 1))
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return
+        raise OSError(e.errno, f"cannot reserve {nbytes} bytes of shared memory for {path}: {e.strerror} "
+                               f"(is {os.path.dirname(path) or SHM_ROOT} full?)") from None
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs: it exists and is not a zombie (exited, not yet reaped by its parent)."""
     try:
@@ -156,6 +171,7 @@ class SharedMemoryPool:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             try:
                 os.ftruncate(fd, size)  # every rank sets the same size: order does not matter
+                reserve_shared_file(fd, size, path)
             finally:
                 os.close(fd)
             self._buffers[slot] = current = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)

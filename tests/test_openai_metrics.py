@@ -117,7 +117,7 @@ def test_openai_stop_sequence_is_not_returned(served, reference, openai_client):
 
 def test_openai_errors_use_the_envelope(served):
     server, _ = served
-    for body in ({"prompt": PROMPT, "n": 17}, {"prompt": PROMPT, "temperature": 5},
+    for body in ({"prompt": PROMPT, "n": 65}, {"prompt": PROMPT, "temperature": 5},
                  {"prompt": ""}, {"messages": []}, {"prompt": PROMPT, "max_tokens": 10**6}):
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         r = server.client.post(path, json=body)
@@ -142,7 +142,7 @@ def test_huggingface_inference_client(served, reference):
 
 
 def _samples(server) -> dict:
-    text = httpx.get(server.url + "/metrics", timeout=10).text  # no key needed
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -188,8 +188,9 @@ def test_timing_headers(served):
 def test_api_key_is_required_except_on_probes(served):
     server, _ = served
     bare = httpx.Client(base_url=server.url, timeout=10)
-    for path in ("/health", "/ready", "/metrics"):
+    for path in ("/health", "/ready"):
         assert bare.get(path).status_code == 200
+    assert bare.get("/metrics").status_code == 401  # its counters tell tenants apart: keyed (--open-metrics opens it)
     r = bare.post("/generate", json={"inputs": PROMPT})
     assert r.status_code == 401 and r.json()["error_type"] == "authentication"
     assert bare.get("/info").status_code == 401

@@ -11,8 +11,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
-from server.errors import InputValidationError, UnavailableError
-from server.generation import check_token_ids
+from server.errors import InputValidationError
+from server.generation import check_token_ids, off_loop, require_ready
 from server.state import ServerState
 
 
@@ -61,9 +61,22 @@ def build_tokenize_router(state: ServerState) -> APIRouter:
     router = APIRouter()
 
     def tokenizer():
-        if state.tokenizer is None:
-            raise UnavailableError("the model is still loading")
+        require_ready(state)
         return state.tokenizer
+
+    def bounded(ids, param: str):
+        limit = state.limits.max_tokenize_tokens
+        if len(ids) > limit:
+            raise InputValidationError(f"{param}: the text is {len(ids)} tokens; a /tokenize answer carries at most "
+                                       f"{limit} (--max-tokenize-tokens)", param=param)
+        return ids
+
+    def spans(text: str) -> list[TokenSpan]:
+        """TGI's answer, built on a worker thread: a long text's spans take a while."""
+        encoded = state.tokenizer(text, return_offsets_mapping=True)
+        bounded(encoded.input_ids, "inputs")
+        return [TokenSpan(id=i, text=text[a:b], start=a, stop=b)
+                for i, (a, b) in zip(encoded.input_ids, encoded.offset_mapping)]
 
     @router.post("/tokenize", response_model=list[TokenSpan] | VLLMTokenizeResponse)
     async def tokenize(body: TokenizeRequest):
@@ -72,11 +85,10 @@ def build_tokenize_router(state: ServerState) -> APIRouter:
             raise InputValidationError("give exactly one of inputs (TGI), prompt or messages (vLLM)", param="inputs")
         tok = tokenizer()
         if body.inputs is not None:
-            encoded = tok(body.inputs, return_offsets_mapping=True)
-            return [TokenSpan(id=i, text=body.inputs[a:b], start=a, stop=b)
-                    for i, (a, b) in zip(encoded.input_ids, encoded.offset_mapping)]
+            return await off_loop(spans, body.inputs)
         if body.prompt is not None:
-            ids = tok(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+            ids = bounded((await off_loop(tok, body.prompt, add_special_tokens=body.add_special_tokens)).input_ids,
+                          "prompt")
         else:
             from server.api.openai.protocol import ChatCompletionRequest
             from server.api.openai.router import chat_renderer
@@ -85,13 +97,14 @@ def build_tokenize_router(state: ServerState) -> APIRouter:
                 request = ChatCompletionRequest.model_validate({"messages": body.messages, "tools": body.tools})
             except ValueError as e:
                 raise InputValidationError(f"messages: {e}", param="messages") from e
-            ids = chat_renderer(state).prompt_ids(request, add_generation_prompt=body.add_generation_prompt)
+            ids = bounded(await off_loop(chat_renderer(state).prompt_ids, request,
+                                         add_generation_prompt=body.add_generation_prompt), "messages")
         limit = state.limits.max_total_tokens if state.limits else None
         return VLLMTokenizeResponse(count=len(ids), max_model_len=limit or 0, tokens=ids)
 
     @router.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(body: DetokenizeRequest):
         check_token_ids(body.tokens, len(tokenizer()), "tokens")
-        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await off_loop(state.tokenizer.decode, body.tokens))
 
     return router

@@ -55,7 +55,7 @@ class ReplicaRouter:
             return self.schedulers[0]
         tokens = handle.tokens
         usable = (len(tokens) - 1) // self.block_size
-        keys = chain_hashes(tokens[: usable * self.block_size], self.block_size) if usable else []
+        keys = chain_hashes(tokens[: usable * self.block_size], self.block_size, handle.cache_root) if usable else []
 
         def free(s: Scheduler) -> int:
             return sum(pool.num_available for pool in s.pools)
@@ -110,6 +110,10 @@ class ReplicaRouter:
     @property
     def num_waiting(self) -> int:
         return sum(s.num_waiting for s in self.schedulers)
+
+    def stalled_for(self, now: float) -> float:
+        """The longest any step group has had work and made no progress (``Scheduler.stalled_for``)."""
+        return max(s.stalled_for(now) for s in self.schedulers)
 
     @property
     def preemptions(self) -> int:

@@ -71,6 +71,7 @@ class RequestHandle:
     num_computed: int = 0  # tokens whose keys and values are in the cache
     num_registered: int = 0  # full blocks entered in the prefix cache
     last_key: bytes = b""  # the prefix key of the last of those
+    cache_root: bytes = b""  # where its prefix keys' chain starts: its cache_salt's (server.generation.cache_root)
     prompt_scores: list | None = None  # (logprob, top) of prompt tokens 1.., where asked for
     scheduler: object = None  # the Scheduler it was submitted to (a replica's, behind a ReplicaRouter)
     done: bool = False
@@ -136,6 +137,7 @@ class Scheduler:
         self.rank_memory: list[dict | None] = [None] * self.world_size  # each rank's latest memory report
         self.preemptions = 0
         self._step_started: float | None = None  # (time.perf_counter) while a step with a forward runs
+        self._planned_at = time.perf_counter()  # when next_plan last returned
         self._step_estimate = 0.0  # the last such step's duration
 
     # -- thread-safe entry points ------------------------------------------------------------
@@ -216,6 +218,7 @@ class Scheduler:
             plan.work = {self.rank_ids[r]: work for r, work in plan.work.items()}
             for add in plan.add:
                 add.rank = self.rank_ids[add.rank]
+        self._planned_at = time.perf_counter()
         return plan
 
     def _drain_inbox(self, block: bool) -> None:
@@ -308,7 +311,7 @@ class Scheduler:
                 plan.work[handle.rank].remove(work)
                 break
         handle.num_computed = handle.num_registered = 0
-        handle.last_key = b""
+        handle.last_key = handle.cache_root
         self.preemptions += 1
         if self.metrics is not None:
             self.metrics.preemptions.inc()
@@ -331,7 +334,7 @@ class Scheduler:
             usable = (len(tokens) - 1) // self.block_size  # the last token is always computed
             if handle.params.prompt_logprobs is not None:
                 usable = 0  # every prompt position is computed, to be scored
-            keys = chain_hashes(tokens[: usable * self.block_size], self.block_size)
+            keys = chain_hashes(tokens[: usable * self.block_size], self.block_size, handle.cache_root)
             placed = self._place(len(tokens), keys, budget)
             if placed is None:
                 if not self.fits_ever(len(tokens)):  # admission checks make this rare: a long preempted sequence
@@ -352,7 +355,7 @@ class Scheduler:
                 self.metrics.prefix_hit_tokens.inc(len(cached) * self.block_size)
             handle.num_computed = len(cached) * self.block_size
             handle.num_registered = len(cached)
-            handle.last_key = keys[len(cached) - 1] if cached else b""
+            handle.last_key = keys[len(cached) - 1] if cached else handle.cache_root
             handle.seq_id, handle.rank = next(self._ids), rank
             if handle.started_at is None:  # its first admission (not a return after a preemption)
                 handle.started_at = time.monotonic()
@@ -463,6 +466,17 @@ class Scheduler:
 
     def step_ended(self, duration_s: float) -> None:
         self._step_started, self._step_estimate = None, duration_s
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds this group has made no progress while it has work (``time.perf_counter``; any
+        thread): the step in progress so far, or, with requests in, since the last plan went out
+        (a healthy loop plans again at once, and at least every idle wait)."""
+        started = self._step_started
+        if started is not None:
+            return max(0.0, now - started)
+        if self._running or self._waiting or not self._inbox.empty():
+            return max(0.0, now - self._planned_at)
+        return 0.0
 
     def step_remaining(self, now: float) -> float:
         """Seconds until the step in progress is expected to end (0 between steps): how long a

@@ -6,11 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-from server.generation import MAX_STOP_SEQUENCES
-
-MAX_TOP_LOGPROBS = 5
-MAX_CHOICES = 16
-MAX_PROMPTS = 32
+# How many choices, prompts, stop sequences and alternatives a request may ask for is the
+# server's --max-* options (server.generation.check_request_bounds), not the schema's.
 
 
 class StreamOptions(BaseModel):
@@ -25,7 +22,7 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per prompt")
+    n: int = Field(default=1, ge=1, description="choices per prompt")
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stream: bool = False
@@ -41,6 +38,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     ignore_eos: bool = False
     user: str | None = None
+    # vLLM's: prefix-cache blocks are shared only between requests with the same salt (tenants apart)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # Structured output: OpenAI's response_format, and vLLM's guided_* fields (one at most)
     response_format: dict | None = None
     guided_json: dict | str | None = None
@@ -56,7 +55,8 @@ class _SamplingFields(BaseModel):
         if kind not in ("text", "json_object", "json_schema"):
             raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
         if kind == "json_schema":
-            schema = (value.get("json_schema") or {}).get("schema")
+            spec = value.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 raise ValueError("response_format json_schema needs json_schema.schema, an object")
         return value
@@ -88,8 +88,8 @@ class _SamplingFields(BaseModel):
         if len(value) > 300:
             raise ValueError("logit_bias holds at most 300 tokens")
         for key, bias in value.items():
-            if not (key.isascii() and key.isdigit()):
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not (key.isascii() and key.isdigit() and len(key) <= 12):
+                raise ValueError(f"logit_bias keys are token ids, got {key[:20]!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values lie in [-100, 100], got {bias} for token {key}")
         return value
@@ -105,8 +105,6 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _check_stop(cls, value):
         stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
@@ -120,7 +118,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="a text, a list of texts, token ids, or a list of token-id lists: one choice (n of them) "
         "per prompt")
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
 
     @field_validator("prompt")
@@ -130,8 +128,6 @@ class CompletionRequest(_SamplingFields):
             value = [value]  # one text, or one prompt of token ids
         if not value:
             raise ValueError("prompt must not be empty")
-        if len(value) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         for prompt in value:
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -206,7 +202,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None, description="default: auto with tools, none without")

@@ -22,7 +22,7 @@ from server.generation import RequestStream, check_token_ids, compile_grammar
 from server.state import ServerState
 
 
-def _grammar(state: ServerState, req, tool_grammar: str | None) -> str | None:
+async def _grammar(state: ServerState, req, tool_grammar: str | None) -> str | None:
     try:
         asked = req.structured_output()
     except ValueError as e:
@@ -30,16 +30,17 @@ def _grammar(state: ServerState, req, tool_grammar: str | None) -> str | None:
     if asked and tool_grammar is not None:
         raise InputValidationError(f"{asked[2]} and tool_choice required or named both constrain the output: "
                                    f"give one", param=asked[2])
-    return compile_grammar(state, *asked) if asked else tool_grammar
+    return await compile_grammar(state, *asked) if asked else tool_grammar
 
 
-def sampling_params(state: ServerState, req, max_new_tokens: int, top_logprobs: int,
-                    tool_grammar: str | None = None) -> SamplingParams:
+async def sampling_params(state: ServerState, req, max_new_tokens: int, top_logprobs: int,
+                          tool_grammar: str | None = None) -> SamplingParams:
     """The request's sampling settings; those it leaves unset come from the checkpoint's generation
     config (``state.sampling_defaults``), then OpenAI's (temperature 1, nothing else). Token ids
     (``logit_bias``, ``stop_token_ids``) must lie in the vocabulary; structured output (or the
-    ``tool_grammar`` of ``tool_choice`` required or named) becomes a grammar."""
-    vocab = len(state.tokenizer)
+    ``tool_grammar`` of ``tool_choice`` required or named) becomes a grammar, compiled off the
+    event loop."""
+    vocab = state.vocab_size
     check_token_ids([int(k) for k in req.logit_bias or {}], vocab, "logit_bias")
     check_token_ids(req.stop_token_ids or (), vocab, "stop_token_ids")
 
@@ -67,7 +68,7 @@ def sampling_params(state: ServerState, req, max_new_tokens: int, top_logprobs: 
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
-        grammar=_grammar(state, req, tool_grammar),
+        grammar=await _grammar(state, req, tool_grammar),
     )
 
 

@@ -146,7 +146,63 @@ class ToolCallFormat:
 
 # {"name": "f", "arguments": : the head of a call whose arguments can be streamed as they come
 _NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
-_OUTER_END = re.compile(r"\s*\}?\s*$")
+MAX_HEAD_CHARS = 1024
+"""A call whose head (``{"name": ..., "arguments": ``) has not appeared within this many characters
+is not streamed: it is sent whole when it closes. Bounds the work of looking for the head."""
+
+
+def _outer_end(text: str) -> int:
+    """Where the trailing ``\\s*}?\\s*`` of ``text`` begins (what may still be the call's closing
+    brace and the space around it): linear, where the regex is cubic in a run of whitespace."""
+    end = len(text.rstrip())
+    if end and text[end - 1] == "}":
+        end = len(text[:end - 1].rstrip())
+    return end
+
+
+class _ObjectEnd:
+    """Finds where the JSON object a text starts with ends, reading each character once as the
+    text grows (``json.raw_decode`` of the whole text on every token is quadratic in it)."""
+
+    _OUTSIDE = re.compile(r'[{}"]')
+    _INSIDE = re.compile(r'["\\]')
+
+    def __init__(self):
+        self.pos = 0  # characters read
+        self.depth = 0
+        self.in_string = False
+        self.end: int | None = None  # just past the object's closing brace, once seen
+
+    def feed(self, text: str) -> int | None:
+        """``text``: the whole text so far (it only grows). Where its object ends, or None."""
+        while self.end is None:
+            if self.in_string:
+                m = self._INSIDE.search(text, self.pos)
+                if m is None:
+                    self.pos = len(text)
+                    break
+                if m.group() == "\\":
+                    if m.end() >= len(text):  # the escaped character has not arrived
+                        self.pos = m.start()
+                        break
+                    self.pos = m.end() + 1
+                    continue
+                self.in_string, self.pos = False, m.end()
+                continue
+            m = self._OUTSIDE.search(text, self.pos)
+            if m is None:
+                self.pos = len(text)
+                break
+            self.pos = m.end()
+            if m.group() == '"':
+                self.in_string = True
+            elif m.group() == "{":
+                self.depth += 1
+            else:
+                self.depth -= 1
+                if self.depth <= 0:
+                    self.end = self.pos
+        return self.end
 
 
 def _value_text(text: str) -> str | None:
@@ -203,7 +259,9 @@ class StreamingToolParser:
         self.broken = 0  # calls announced in the stream whose JSON then broke: text, as parse() reads them
         self.open_call: ToolCall | None = None  # the call whose head has been sent
         self.args_start: int | None = None  # where its arguments begin in the buffer (-1: not streamable)
+        self.args_end = _ObjectEnd()
         self.sent_args = 0
+        self.searched = 0  # the open call's buffer holds no close tag before this
 
     def feed(self, text: str, final: bool = False) -> list[ToolDelta]:
         """The deltas ``text`` completes; ``final``: the text has ended, hand out everything."""
@@ -223,8 +281,11 @@ class StreamingToolParser:
                 self._content(out, self.buffer[:start])
                 self.buffer = self.buffer[start + len(self.fmt.open_tag):]
                 self.in_call, self.open_call, self.args_start, self.sent_args = True, None, None, 0
+                self.args_end, self.searched = _ObjectEnd(), 0
                 continue
-            end = self.buffer.find(self.fmt.close_tag)
+            # from where the last search stopped, less what may be a tag's beginning: linear in the text
+            end = self.buffer.find(self.fmt.close_tag, self.searched)
+            self.searched = max(0, len(self.buffer) - len(self.fmt.close_tag) + 1)
             if end < 0 and not final:
                 self._stream_args(out)
                 return out
@@ -248,12 +309,16 @@ class StreamingToolParser:
 
     def _stream_args(self, out: list[ToolDelta]) -> None:
         if self.args_start is None:
-            head = _NAME_FIRST.match(self.buffer)
+            head = _NAME_FIRST.match(self.buffer, 0, MAX_HEAD_CHARS)
             if head is None:
+                if len(self.buffer) >= MAX_HEAD_CHARS:
+                    self.args_start = -1  # no head in reach: sent whole when it closes
                 return
             rest = self.buffer[head.end():]
-            if not rest.strip():
-                return  # what follows the head decides
+            if not rest.strip():  # what follows the head decides
+                if len(self.buffer) >= MAX_HEAD_CHARS:
+                    self.args_start = -1
+                return
             name = _loads(f'"{head.group(1)}"')
             if not isinstance(name, str) or name not in self.declared or not rest.lstrip().startswith("{"):
                 self.args_start = -1  # sent whole when it closes
@@ -265,12 +330,12 @@ class StreamingToolParser:
         if self.args_start < 0:
             return
         rest = self.buffer[self.args_start:]
-        complete = _value_text(rest)
-        if complete is not None:  # the arguments are whole: nothing after them is theirs
-            certain = complete
+        end = self.args_end.feed(rest)
+        if end is not None:  # the arguments are whole: nothing after them is theirs
+            certain = rest[:end]
         else:
             rest = rest[: len(rest) - held_back(rest, (self.fmt.close_tag,))]
-            certain = rest[: _OUTER_END.search(rest).start()]
+            certain = rest[: _outer_end(rest)]
         if len(certain) > self.sent_args:
             out.append(ToolDelta(index=self._index, arguments=certain[self.sent_args:]))
             self.sent_args = len(certain)

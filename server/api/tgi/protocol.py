@@ -6,11 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from server.generation import MAX_STOP_SEQUENCES
-
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
-MAX_TOP_N_TOKENS = 5
-MAX_BEST_OF = 16
+# best_of, top_n_tokens and stop are bounded by the server's --max-* options
+# (server.generation.check_request_bounds), not by the schema.
 
 
 class GenerateParameters(BaseModel):
@@ -30,13 +28,13 @@ class GenerateParameters(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False,
                                             description="OpenAI's formula, over the generated tokens")
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: list[str] | None = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
+    stop: list[str] | None = Field(default_factory=list)
     return_full_text: bool | None = False
     details: bool = False
     decoder_input_details: bool = False
-    top_n_tokens: int | None = Field(default=None, ge=0, le=MAX_TOP_N_TOKENS)
+    top_n_tokens: int | None = Field(default=None, ge=0)
     truncate: int | None = Field(default=None, ge=1, description="keep only the last N tokens of the input")
-    best_of: int | None = Field(default=None, ge=1, le=MAX_BEST_OF,
+    best_of: int | None = Field(default=None, ge=1,
                                 description="sample this many and answer the likeliest (not streamed)")
     watermark: bool = False
     grammar: dict | None = None

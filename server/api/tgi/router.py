@@ -10,7 +10,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.errors import GenerationError, InputValidationError, error_body
-from server.generation import RequestStream, check_admission, collect_all, compile_grammar, open_streams
+from server.responses import FiniteJSONResponse
+from server.generation import (RequestStream, check_admission, check_request_bounds, collect_all, compile_grammar,
+                               open_streams, require_ready, tokenize)
 from server.api.tgi.protocol import (
     BestOfSequence,
     CompatGenerateRequest,
@@ -37,7 +39,7 @@ def _top_tokens(state: ServerState, event: TokenEvent) -> list[Token]:
     return [Token(id=t, text=state.tokenizer.decode([t]), logprob=lp, special=t in special) for t, lp in event.top]
 
 
-def _start(state: ServerState, body: GenerateRequest) -> tuple[list[RequestStream], list[int], float]:
+async def _start(state: ServerState, body: GenerateRequest) -> tuple[list[RequestStream], list[int], float]:
     """The request's streams (``best_of`` of them, seeds seed + j where a seed is given), its
     prompt ids, and the validation time."""
     start = time.monotonic()
@@ -45,14 +47,17 @@ def _start(state: ServerState, body: GenerateRequest) -> tuple[list[RequestStrea
     best_of = p.best_of or 1
     if best_of > 1 and not p.samples:
         raise InputValidationError("you must use sampling when best_of is > 1", param="best_of")
-    prompt_ids = state.tokenizer(body.inputs).input_ids
+    require_ready(state)
+    check_request_bounds(state, sequences=best_of, sequences_param="best_of", stops=p.stop,
+                         top_logprobs=p.top_n_tokens or 0, top_param="top_n_tokens")
+    prompt_ids = await tokenize(state, body.inputs)
     if p.truncate is not None:
         prompt_ids = prompt_ids[-p.truncate:]  # TGI's truncate: the input's last tokens
     check_admission(state, prompt_ids, p.max_new_tokens)
     grammar = None
     if p.grammar is not None:  # TGI's {"type": "json" | "regex", "value": ...}
         kind = {"json": "json_schema", "json_object": "json_object", "regex": "regex"}[p.grammar["type"]]
-        grammar = compile_grammar(state, kind, p.grammar.get("value"), "grammar")
+        grammar = await compile_grammar(state, kind, p.grammar.get("value"), "grammar")  # off the event loop
     params = SamplingParams(
         max_new_tokens=p.max_new_tokens, do_sample=p.do_sample or best_of > 1, temperature=p.temperature,
         top_k=p.top_k, top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
@@ -76,7 +81,7 @@ def build_tgi_router(state: ServerState) -> APIRouter:
     router = APIRouter()
 
     async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
-        streams, prompt_ids, validation_s = _start(state, body)
+        streams, prompt_ids, validation_s = await _start(state, body)
         p = body.parameters
         collected = await collect_all(streams, request)
         if any(not events or events[-1].finish is None for events in collected):
@@ -97,7 +102,8 @@ def build_tgi_router(state: ServerState) -> APIRouter:
             details = Details(**best.model_dump(exclude={"generated_text"}),
                               best_of_sequences=[answers[i] for i in order[1:]] if len(answers) > 1 else None)
         response = GenerateResponse(generated_text=best.generated_text, details=details)
-        return JSONResponse(response.model_dump(), headers=streams[order[0]].timing_headers(validation_s))
+        # a NaN or infinite log-probability is null, as in every streamed frame
+        return FiniteJSONResponse(response.model_dump(), headers=streams[order[0]].timing_headers(validation_s))
 
     async def generate_stream(body: GenerateRequest) -> StreamingResponse:
         p = body.parameters
@@ -106,7 +112,7 @@ def build_tgi_router(state: ServerState) -> APIRouter:
                                        param="decoder_input_details")
         if (p.best_of or 1) > 1:
             raise InputValidationError("best_of > 1 is not supported when streaming tokens", param="best_of")
-        (stream,), _, _ = _start(state, body)
+        (stream,), _, _ = await _start(state, body)
 
         async def sse() -> AsyncIterator[str]:
             index = 0
@@ -139,7 +145,7 @@ def build_tgi_router(state: ServerState) -> APIRouter:
         if body.stream:
             return await generate_stream(plain)
         response = await generate(plain, request)
-        return JSONResponse([json.loads(response.body)], headers={
+        return FiniteJSONResponse([json.loads(response.body)], headers={
             k: v for k, v in response.headers.items() if k.lower().startswith("x-")})
 
     return router
