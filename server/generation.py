@@ -259,6 +259,19 @@ async def collect_all(streams: list[RequestStream], request) -> list[list[TokenE
     return collected
 
 
+def check_sendable(params: SamplingParams) -> None:
+    """Every value of a request's settings must cross the control channel (msgpack: integers of
+    at most 64 bits): one that cannot is this request's 4xx here, where in a plan it would stop
+    the group."""
+    from server.engine.plan_wire import to_wire
+    from shard_engine.wire import WireError, encode
+
+    try:
+        encode(to_wire(params))
+    except (WireError, OverflowError, ValueError) as e:
+        raise InputValidationError(f"a sampling parameter is out of range: {e}") from e
+
+
 def cache_root(salt: str | None) -> bytes:
     """The prefix-cache key a request's block chain starts from: its ``cache_salt``'s digest, so
     that only requests with the same salt share cached blocks (and can time each other's hits)."""
@@ -276,6 +289,7 @@ def open_streams(state: ServerState, prompts: list[list[int]], params: SamplingP
     are submitted (a 429 part way cancels those already in)."""
     from dataclasses import replace
 
+    check_sendable(params)
     streams: list[RequestStream] = []
     try:
         for ids in prompts:

@@ -58,7 +58,7 @@ async def sampling_params(state: ServerState, req, max_new_tokens: int, top_logp
         do_sample=not greedy,
         temperature=None if greedy else temperature,
         top_p=None if greedy or top_p is None or top_p >= 1.0 else top_p,
-        top_k=None if greedy or not top_k or top_k < 1 else top_k,
+        top_k=None if greedy or not top_k or top_k < 1 else min(top_k, state.vocab_size),  # more: all of them
         min_p=None if greedy or not min_p else min_p,
         repetition_penalty=None if penalty is None or penalty == 1.0 else penalty,
         seed=req.seed,

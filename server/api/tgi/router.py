@@ -60,7 +60,8 @@ async def _start(state: ServerState, body: GenerateRequest) -> tuple[list[Reques
         grammar = await compile_grammar(state, kind, p.grammar.get("value"), "grammar")  # off the event loop
     params = SamplingParams(
         max_new_tokens=p.max_new_tokens, do_sample=p.do_sample or best_of > 1, temperature=p.temperature,
-        top_k=p.top_k, top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
+        top_k=min(p.top_k, state.vocab_size) if p.top_k else None,  # more: all of them
+        top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
         frequency_penalty=p.frequency_penalty or None, seed=p.seed, top_logprobs=p.top_n_tokens or 0,
         grammar=grammar, prompt_logprobs=0 if p.decoder_input_details else None,
     )
