@@ -71,7 +71,7 @@ def measure_codecs(payloads: dict, repeats: int) -> dict:
 def _round_trips(rank: int, store_path: str, payloads: dict, repeats: int, queue) -> None:
     import torch.distributed as dist
 
-    from server.control import ControlChannel
+    from server.group.control import ControlChannel
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))

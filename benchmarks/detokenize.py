@@ -2,7 +2,7 @@
 
     python -m benchmarks.detokenize [--lengths 100,4000] [--model DIR]
 
-What one request's API side does per generated token (server.generation.RequestStream and the
+What one request's API side does per generated token (server.api.generation.RequestStream and the
 OpenAI stream): the incremental detokenizer, the stop-sequence check, the OpenAI held-back
 deltas, against what the engine did before (decode all generated ids again for every token, and
 diff the whole text). The tokenizer is the default model's (SmolLM2), or ``--model``'s. Prints
@@ -21,7 +21,7 @@ TEXT = ("The capital of France is Paris. Ünïcödé, 日本語 and emoji 🙂 m
 
 
 def _incremental(tokenizer, ids: list[int]) -> float:
-    from server.detokenize import IncrementalDetokenizer, StopSequences
+    from server.api.detokenize import IncrementalDetokenizer, StopSequences
     from server.engine.scheduler import TokenEvent
     from server.api.openai.serving import TextDeltas as _TextDeltas
 

@@ -4,7 +4,7 @@
     python -m benchmarks.gpu_check --dry-run --out DIR  # the same logic on CPU, a tiny model (tests)
     make gpu-check ARGS="--out DIR"
 
-One process, world size 1, the product's code paths: ``server.launch.init_rank("cuda")`` (NCCL),
+One process, world size 1, the product's code paths: ``server.group.process_group.init_rank("cuda")`` (NCCL),
 ``load_hsdp_model`` (page-locked reads, asynchronous copies), ``set_resident_units``, and the
 engine the server runs (``server.engine``: scheduler, paged KV cache, batched sampling), and in
 phase ``serve`` the server itself. Phases, each timed and recorded; a failure is recorded with its traceback and the phases
@@ -170,7 +170,7 @@ def drop_page_cache() -> bool:
 
 def init_world_one(device_type: str) -> torch.device:
     """World size 1 through the server's own ``init_rank`` on a free loopback port."""
-    from server.launch import init_rank
+    from server.group.process_group import init_rank
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -602,7 +602,7 @@ def main(argv=None) -> int:
     report.write()
     log(f"wrote {args.out}/gpu_check.json and gpu_check.md; ok={report.doc['ok']}")
     with contextlib.suppress(Exception):
-        from server.launch import close_rank
+        from server.group.process_group import close_rank
 
         close_rank()
     faulthandler.cancel_dump_traceback_later()

@@ -159,7 +159,7 @@ def rank_body(rank: int, world: int, model_dir: str, batches: list[int], context
     from shard_engine import HSDPInferenceConfig, disable_forward_prefetch, enable_forward_prefetch
     from shard_engine import enable_shared_memory_all_gather, set_resident_units, slots_for_depth
 
-    from server.memory import release_freed_memory, tune_allocator
+    from server.group.memory import release_freed_memory, tune_allocator
 
     tune_allocator()  # as the server's ranks do
     loaded = load_hsdp_model(model_dir, HSDPInferenceConfig(), device=torch.device("cpu"), dtype=dtype)

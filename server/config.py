@@ -18,12 +18,50 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 
 from loaders import READ_MODES
-from server.api.openai.tools import FORMATS as TOOL_FORMATS
-from server.launch import DEVICE_TYPES, LOG_LEVELS, int_or_keyword, parse_nproc_per_node
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def int_or_keyword(keyword: str, keyword_value, minimum: int):
+    """An argparse type: an integer >= ``minimum``, or ``keyword``, which parses to ``keyword_value``."""
+
+    def parse(text: str):
+        if text == keyword:
+            return keyword_value
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer or {keyword!r}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+parse_nproc_per_node = int_or_keyword("auto", None, 1)
+"""argparse type for ``--nproc-per-node``: a positive integer, or ``auto`` (None)."""
+
+
+def read_secret_file(path: str, what: str) -> bytes:
+    """A secret's file (a Docker or Kubernetes secret), stripped; ValueError naming ``what`` (the
+    flag or variable that gave the path) where it is unreadable or empty."""
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"{what} {path}: {e.strerror}") from None
+    if not secret:
+        raise ValueError(f"{what} {path}: empty")
+    return secret
+
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALL_GATHERS = ("auto", "shm", "group")
-TOOL_CALL_PARSERS = tuple(TOOL_FORMATS)
+TOOL_CALL_PARSERS = ("hermes",)  # server.api.openai.tools.FORMATS, checked there
 
 
 def parse_resident_units(text: str) -> int | None:
@@ -392,7 +430,6 @@ def check_api_key(key: str) -> None:
 
 
 def read_key_file(path: str) -> str:
-    from server.launch import read_secret_file
 
     key = read_secret_file(path, "--api-key-file")
     try:

@@ -23,18 +23,10 @@ import torch.distributed as dist
 
 from loaders import READ_MODES, load_hsdp_model
 from server.config import DTYPES
-from server.launch import (
-    DEVICE_TYPES,
-    LOG_LEVELS,
-    GroupError,
-    configure_logging,
-    init_rank,
-    launch_group,
-    parse_nproc_per_node,
-    resolve_device_type,
-    resolve_nproc_per_node,
-    resolve_world_size,
-)
+from server.config import DEVICE_TYPES, LOG_LEVELS, parse_nproc_per_node
+from server.group.launch import GroupError, launch_group
+from server.group.logs import configure_logging
+from server.group.process_group import init_rank, resolve_device_type, resolve_nproc_per_node, resolve_world_size
 from shard_engine import HSDPInferenceConfig, wire
 
 PROG = "hsdp-load"

@@ -8,49 +8,20 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
-import time
 
 import torch.distributed as dist
 
 from server.config import ServeConfig, parse_serve_config, unknown_variables
-from server.launch import GroupError, configure_logging, init_rank, launch_group, resolve_device_type
+from server.group.launch import GroupError, launch_group
+from server.group.logs import configure_logging
+from server.group.process_group import init_rank, resolve_device_type
 
 logger = logging.getLogger(__name__)
-_HTTP_START_TIMEOUT_S = 30.0
-_FAILURE_LINGER_S = 2.0
-
-
-def start_http_server(app, cfg: ServeConfig, metrics=None):
-    """Run uvicorn on a daemon thread, with the connection timeouts and cap of ``cfg``
-    (``server.connections``); returns once it listens, raises if it cannot."""
-    import uvicorn
-
-    from server.connections import guarded_protocol
-
-    host, port = cfg.host, cfg.port
-    protocol = guarded_protocol(header_timeout_s=cfg.header_timeout_s, slow_reader_timeout_s=cfg.slow_reader_timeout_s,
-                                metrics=metrics)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False, http=protocol,
-        timeout_keep_alive=cfg.keep_alive_timeout_s, limit_concurrency=cfg.max_connections,
-        # the listen backlog: connections the kernel queues before accept (uvicorn's default, 2048)
-        backlog=2048))
-    thread = threading.Thread(target=server.run, name="http", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + _HTTP_START_TIMEOUT_S
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"cannot listen on {host}:{port} (in use, or not an address of this host)")
-        time.sleep(0.05)
-    logger.info("listening on http://%s:%d", host, port)
-    return server
 
 
 def _resolve_limits(cfg: ServeConfig, model_config):
-    from server.state import Limits
+    from server.http.state import Limits
 
     positions = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", 4096)
     total = cfg.max_total_tokens or min(positions, 4096)
@@ -127,185 +98,175 @@ def _make_resident(model, cfg: ServeConfig, device):
 
 
 def serve_rank(cfg: ServeConfig, source) -> None:
-    """Every rank's body; ``source`` is the resolved :class:`loaders.sources.ModelSource`."""
-    from loaders import load_hsdp_model
-    from server.app import build_app
-    from server.control import control_channels, run_engine_loop
-    from server.engine import BlockPool, KVGeometry, RankEngine, ReplicaRouter, Scheduler, size_kv_pool
-    from server.memory import MemoryReport, release_freed_memory, tensor_bytes, tune_allocator
-    from server.metrics import ServerMetrics
-    from server.state import ServerState
-    from server.watchdog import StepWatchdog
-    from shard_engine import (enable_forward_prefetch, enable_shared_memory_all_gather, shared_weights_of,
-                              slots_for_depth, wire)
+    """Every rank's body; ``source`` is the resolved :class:`loaders.sources.ModelSource`: load and
+    shard the model, size and allocate the KV pool, on rank 0 build the schedulers and open for
+    requests, then step until rank 0's shutdown plan (``server.group.control``)."""
+    from server.group.control import control_channels, run_engine_loop
+    from server.group.lifecycle import drive_other_groups, fail_open_requests, ignore_stop_signals
+    from server.group.memory import tune_allocator
+    from server.group.watchdog import StepWatchdog
 
-    tune_allocator()  # server.memory says why
+    tune_allocator()  # server.group.memory says why
     device = init_rank(resolve_device_type(cfg.device), cfg.collective_timeout_s)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    hsdp = cfg.mesh_config(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    mesh_shape = hsdp.resolve_mesh_shape(world_size)
-    state = http = scheduler = shm_pool = None
+    rank = dist.get_rank()
+    hsdp = cfg.mesh_config(dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+    mesh_shape = hsdp.resolve_mesh_shape(dist.get_world_size())
+    state = http = scheduler = None
+    group = _Group()
     if rank == 0:
-        state = ServerState(
-            model_names=[cfg.served_model_name or source.name], model_path=source.path, model_source=source.kind,
-            dtype=cfg.dtype, mesh_shape=mesh_shape, world_size=world_size, metrics=ServerMetrics(),
-            api_key=cfg.api_key, liveness_timeout_s=cfg.liveness_timeout_s,
-        )
-        http = start_http_server(build_app(state, cfg), cfg, state.metrics)
+        state, http = _start_listening(cfg, source, mesh_shape)
     try:
-        from loaders.checkpoint import load_config
-        from server.api.openai.chat import ChatRenderer, read_chat_template
-        from server.engine.capability import check_servable
-
-        check_servable(load_config(source.path))  # again under torchrun, where no launcher ran it
-        loaded = load_hsdp_model(
-            source.path, hsdp, device=device, dtype=cfg.torch_dtype or "auto", read_mode=cfg.read_mode,
-            progress=_load_progress_reporter(state, rank), require_tokenizer=True,
-            load_concurrency=cfg.load_concurrency,
-        )
-        release_freed_memory()  # the load's read buffers (server.memory says why)
-        if cfg.prefetch_depth:
-            enable_forward_prefetch(loaded.model, depth=cfg.prefetch_depth)
-        shards = tensor_bytes(loaded.model)  # now, while every unit is sharded
-        residency = _make_resident(loaded.model, cfg, device)  # collective: the same on every rank
-        if cfg.all_gather == "shm" or (cfg.all_gather == "auto" and not residency.everything):
-            # (with every unit resident nothing is gathered after startup: auto leaves it be)
-            shm_pool = enable_shared_memory_all_gather(loaded.model, slots=slots_for_depth(cfg.prefetch_depth),
-                                                       timeout_s=cfg.collective_timeout_s)
-            if shm_pool is None and cfg.all_gather == "shm":
-                raise ValueError("--all-gather shm: the ranks cannot share memory (see the log); use auto or group")
-        geometry = KVGeometry.of(loaded.model)
-        available = size_kv_pool(cfg.kv_cache_memory, geometry, cfg.kv_block_size, device)
-        # every rank, once; also the barrier between measuring free memory and allocating the pools
-        per_rank = wire.all_gather([loaded.stats.bytes_read, residency.extra_bytes, available])
-        engine = RankEngine(loaded.model, device, rank, num_blocks=available, block_size=cfg.kv_block_size,
-                            tokenizer=loaded.tokenizer)
-        release_freed_memory()
-        weights = shared_weights_of(loaded.model)
-        # shards that are views of the host's shared copy are counted once, in its share
-        shards -= weights.shard_view_bytes if weights is not None else 0
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        # each shard group maps its own ring: its sharers are the group's ranks (all on this host)
-        engine.memory = MemoryReport(shards=shards, resident=residency.extra_bytes, kv_pool=engine.cache.nbytes,
-                                     ring=shm_pool, ring_sharers=min(local_ranks, mesh_shape[1]),
-                                     shared_weights=residency.shared_bytes,
-                                     shared_weights_sharers=residency.shared_with)
-        groups = _step_groups(mesh_shape, residency)  # the same on every rank: residency is collective
+        loaded = _load(cfg, source, hsdp, device, state, rank)
+        engine, per_rank = _shard_for_serving(loaded, cfg, device, mesh_shape, group)
+        groups = _step_groups(mesh_shape, group.residency)  # the same on every rank: residency is collective
         channels = control_channels(cfg.collective_timeout_s, groups)
         channel = next(c for c, ranks in zip(channels, groups) if rank in ranks)  # this rank's group's
         if rank == 0:
-            limits = _resolve_limits(cfg, loaded.config)
-            share = -(-limits.max_concurrent_requests // len(groups))  # each group's running bound
-            schedulers = [
-                Scheduler(
-                    pools=[BlockPool(per_rank[r][2], cfg.kv_block_size, prefix_caching=cfg.prefix_caching)
-                           for r in ranks],
-                    replicas=[list(range(len(ranks)))], rank_ids=ranks, max_running=share,
-                    max_queued=limits.max_queued_requests, max_total_tokens=limits.max_total_tokens,
-                    max_prefill_tokens=cfg.max_batch_prefill_tokens,
-                    eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer), metrics=state.metrics,
-                )
-                for ranks in groups
-            ]
-            scheduler = ReplicaRouter(schedulers, max_running=limits.max_concurrent_requests,
-                                      max_queued=limits.max_queued_requests)
-            logger.info("KV cache: %s blocks of %d tokens per rank (%.1f MB per rank, %d bytes per token)",
-                        "/".join(str(b) for _, _, b in per_rank), cfg.kv_block_size, engine.cache.nbytes / 1e6,
-                        geometry.bytes_per_token)
-            _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg)
-            if scheduler.max_sequence_tokens < limits.max_total_tokens:
-                logger.warning("the KV cache holds %d tokens per rank, fewer than --max-total-tokens %d: longer "
-                               "sequences are refused (raise --kv-cache-memory)", scheduler.max_sequence_tokens,
-                               limits.max_total_tokens)
-            state.special_ids = frozenset(getattr(loaded.tokenizer, "all_special_ids", ()))
-            state.vocab_size = min(len(loaded.tokenizer), getattr(loaded.config, "vocab_size", None) or 1 << 62)
-            state.limits, state.tokenizer, state.scheduler = limits, loaded.tokenizer, scheduler
-            state.chat = ChatRenderer(loaded.tokenizer, read_chat_template(cfg.chat_template), cfg.tool_call_parser)
-            state.sampling_defaults = sampling_defaults(loaded.model)
-            if state.sampling_defaults:
-                logger.info("generation_config.json's sampling defaults apply to OpenAI requests that leave them "
-                            "unset: %s", state.sampling_defaults)
-            state.set_phase("warming_up")
-            _install_drain_handler(scheduler, state, cfg.shutdown_timeout_s)
-            _warm_up(scheduler, state, world_size)
-            _watch_local_ranks(state, scheduler)
+            scheduler = _build_router(cfg, loaded, groups, per_rank, state)
+            _open_for_requests(cfg, state, scheduler, loaded, engine, per_rank, group)
         else:
-            _ignore_stop_signals()
-        watchdog = StepWatchdog(cfg.step_timeout_s, on_timeout=lambda why: _fail_open_requests(state, scheduler, why))
+            ignore_stop_signals()
+        watchdog = StepWatchdog(cfg.step_timeout_s, on_timeout=lambda why: fail_open_requests(state, scheduler, why))
         watchdog.start()
-        drivers = _drive_other_groups(state, scheduler, channels, cfg) if rank == 0 else []
+        drivers = drive_other_groups(state, scheduler, channels, cfg) if rank == 0 else []
         run_engine_loop(engine, channel, scheduler.schedulers[0] if rank == 0 else None, watchdog)
         for driver in drivers:
             driver.join()
         watchdog.stop()
     except BaseException as e:
-        _fail_open_requests(state, scheduler, f"{type(e).__name__}: {e}")
+        fail_open_requests(state, scheduler, f"{type(e).__name__}: {e}")
         raise
     finally:
-        if shm_pool is not None:
-            shm_pool.close()
+        if group.shm_pool is not None:
+            group.shm_pool.close()
         if http is not None:
             http.should_exit = True
 
 
-LOAD_PROGRESS_EVERY_S = 0.25
+class _Group:
+    """What :func:`serve_rank`'s phases decide of this rank's share of the model: its residency and its
+    shared-memory all-gather ring (closed at the end whatever happened)."""
+
+    residency = None
+    shm_pool = None
 
 
-def _load_progress_reporter(state, rank: int):
-    """The loader's progress callback: every rank writes its ``done,total`` into the group's store
-    (at most every quarter second, and its last) for rank 0's /ready; rank 0 keeps its own too."""
-    from server.state import LOAD_PROGRESS_KEY
+def _start_listening(cfg: ServeConfig, source, mesh_shape):
+    """Rank 0, before the load: the server's state and its HTTP listener, so probes watch the load."""
+    from server.http.app import build_app
+    from server.http.listener import start_http_server
+    from server.http.metrics import ServerMetrics
+    from server.http.state import ServerState
 
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - progress is a nicety: without a store, rank 0's alone
-        store = None
-    if state is not None:
-        state.load_store = store
-    last = [0.0]
-
-    def report(done: int, total: int) -> None:
-        if state is not None:
-            state.set_load_progress(done, total)
-        now = time.monotonic()
-        if store is not None and (now - last[0] >= LOAD_PROGRESS_EVERY_S or done >= total):
-            last[0] = now
-            try:
-                store.set(f"{LOAD_PROGRESS_KEY}{rank}", f"{done},{total}")
-            except Exception:  # noqa: BLE001
-                pass
-
-    return report
+    state = ServerState(
+        model_names=[cfg.served_model_name or source.name], model_path=source.path, model_source=source.kind,
+        dtype=cfg.dtype, mesh_shape=mesh_shape, world_size=dist.get_world_size(), metrics=ServerMetrics(),
+        api_key=cfg.api_key, liveness_timeout_s=cfg.liveness_timeout_s,
+    )
+    return state, start_http_server(build_app(state, cfg), cfg, state.metrics)
 
 
-def _drive_other_groups(state, router, channels, cfg) -> list[threading.Thread]:
-    """Rank 0: a thread per step group it is not in (a replica, or a rank stepping alone),
-    stepping that group (server.control). A failure there (a rank of the group gone, a step over
-    the timeout) fails the whole group of ranks, as one on rank 0's own does: every open request
-    answered, rank 0 out, non-zero."""
-    from server.control import run_engine_loop
-    from server.watchdog import StepWatchdog
-    from shard_engine import remove_owned_now
+def _load(cfg: ServeConfig, source, hsdp, device, state, rank: int):
+    """Stream this rank's shards of the checkpoint in (``loaders``), every unit sharded as it lands."""
+    from loaders import load_hsdp_model
+    from loaders.checkpoint import load_config
+    from server.engine.capability import check_servable
+    from server.group.lifecycle import load_progress_reporter
+    from server.group.memory import release_freed_memory
 
-    def drive(index: int) -> None:
-        watchdog = StepWatchdog(cfg.step_timeout_s, on_timeout=lambda why: _fail_open_requests(state, router, why))
-        watchdog.start()
-        try:
-            run_engine_loop(None, channels[index], router.schedulers[index], watchdog)
-        except BaseException as e:  # noqa: BLE001 - the group is broken: down, fast and loudly
-            ranks = ",".join(map(str, router.replicas[index]))
-            _fail_open_requests(state, router, f"ranks {ranks}: {type(e).__name__}: {e}")
-            logging.shutdown()
-            remove_owned_now()
-            os._exit(1)
-        finally:
-            watchdog.stop()
+    check_servable(load_config(source.path))  # again under torchrun, where no launcher ran it
+    loaded = load_hsdp_model(
+        source.path, hsdp, device=device, dtype=cfg.torch_dtype or "auto", read_mode=cfg.read_mode,
+        progress=load_progress_reporter(state, rank), require_tokenizer=True, load_concurrency=cfg.load_concurrency,
+    )
+    release_freed_memory()  # the load's read buffers (server.group.memory says why)
+    return loaded
 
-    threads = [threading.Thread(target=drive, args=(i,), name=f"hsdp-steps-{i}", daemon=True)
-               for i in range(1, len(router.schedulers))]
-    for thread in threads:
-        thread.start()
-    return threads
+
+def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Group):
+    """Residency, prefetch and the all-gather ring as ``cfg`` asks, then the KV pool sized from what
+    is left; every rank, collectively. Returns this rank's engine and every rank's
+    ``(bytes read, resident bytes, KV blocks)``."""
+    from server.engine import KVGeometry, RankEngine, size_kv_pool
+    from server.group.memory import MemoryReport, release_freed_memory, tensor_bytes
+    from shard_engine import enable_forward_prefetch, enable_shared_memory_all_gather, shared_weights_of, \
+        slots_for_depth, wire
+
+    if cfg.prefetch_depth:
+        enable_forward_prefetch(loaded.model, depth=cfg.prefetch_depth)
+    shards = tensor_bytes(loaded.model)  # now, while every unit is sharded
+    group.residency = residency = _make_resident(loaded.model, cfg, device)  # collective: the same on every rank
+    if cfg.all_gather == "shm" or (cfg.all_gather == "auto" and not residency.everything):
+        # (with every unit resident nothing is gathered after startup: auto leaves it be)
+        group.shm_pool = enable_shared_memory_all_gather(loaded.model, slots=slots_for_depth(cfg.prefetch_depth),
+                                                         timeout_s=cfg.collective_timeout_s)
+        if group.shm_pool is None and cfg.all_gather == "shm":
+            raise ValueError("--all-gather shm: the ranks cannot share memory (see the log); use auto or group")
+    geometry = KVGeometry.of(loaded.model)
+    available = size_kv_pool(cfg.kv_cache_memory, geometry, cfg.kv_block_size, device)
+    # every rank, once; also the barrier between measuring free memory and allocating the pools
+    per_rank = wire.all_gather([loaded.stats.bytes_read, residency.extra_bytes, available])
+    engine = RankEngine(loaded.model, device, dist.get_rank(), num_blocks=available, block_size=cfg.kv_block_size,
+                        tokenizer=loaded.tokenizer)
+    release_freed_memory()
+    weights = shared_weights_of(loaded.model)
+    # shards that are views of the host's shared copy are counted once, in its share
+    shards -= weights.shard_view_bytes if weights is not None else 0
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # each shard group maps its own ring: its sharers are the group's ranks (all on this host)
+    engine.memory = MemoryReport(shards=shards, resident=residency.extra_bytes, kv_pool=engine.cache.nbytes,
+                                 ring=group.shm_pool, ring_sharers=min(local_ranks, mesh_shape[1]),
+                                 shared_weights=residency.shared_bytes, shared_weights_sharers=residency.shared_with)
+    if dist.get_rank() == 0:
+        logger.info("KV cache: %s blocks of %d tokens per rank (%.1f MB per rank, %d bytes per token)",
+                    "/".join(str(b) for _, _, b in per_rank), cfg.kv_block_size, engine.cache.nbytes / 1e6,
+                    geometry.bytes_per_token)
+    return engine, per_rank
+
+
+def _build_router(cfg: ServeConfig, loaded, groups, per_rank, state):
+    """Rank 0: a scheduler per step group over its ranks' KV pools, one router in front."""
+    from server.engine import BlockPool, Scheduler, StepGroupRouter
+
+    limits = state.limits = _resolve_limits(cfg, loaded.config)
+    share = -(-limits.max_concurrent_requests // len(groups))  # each group's running bound
+    schedulers = [
+        Scheduler(
+            pools=[BlockPool(per_rank[r][2], cfg.kv_block_size, prefix_caching=cfg.prefix_caching) for r in ranks],
+            replicas=[list(range(len(ranks)))], rank_ids=ranks, max_running=share,
+            max_queued=limits.max_queued_requests, max_total_tokens=limits.max_total_tokens,
+            max_prefill_tokens=cfg.max_batch_prefill_tokens,
+            eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer), metrics=state.metrics,
+        )
+        for ranks in groups
+    ]
+    router = StepGroupRouter(schedulers, max_running=limits.max_concurrent_requests,
+                             max_queued=limits.max_queued_requests)
+    if router.max_sequence_tokens < limits.max_total_tokens:
+        logger.warning("the KV cache holds %d tokens per rank, fewer than --max-total-tokens %d: longer sequences "
+                       "are refused (raise --kv-cache-memory)", router.max_sequence_tokens, limits.max_total_tokens)
+    return router
+
+
+def _open_for_requests(cfg: ServeConfig, state, scheduler, loaded, engine, per_rank, group: _Group) -> None:
+    """Rank 0: what the APIs need of the model, the drain handler, the warm-up (ready once it ends)
+    and the watch over this node's ranks."""
+    from server.api.openai.chat import ChatRenderer, read_chat_template
+    from server.group.lifecycle import install_drain_handler, watch_local_ranks
+
+    _describe_group(state, scheduler, loaded, per_rank, group.residency, group.shm_pool, cfg)
+    state.special_ids = frozenset(getattr(loaded.tokenizer, "all_special_ids", ()))
+    state.vocab_size = min(len(loaded.tokenizer), getattr(loaded.config, "vocab_size", None) or 1 << 62)
+    state.tokenizer, state.scheduler = loaded.tokenizer, scheduler
+    state.chat = ChatRenderer(loaded.tokenizer, read_chat_template(cfg.chat_template), cfg.tool_call_parser)
+    state.sampling_defaults = sampling_defaults(loaded.model)
+    if state.sampling_defaults:
+        logger.info("generation_config.json's sampling defaults apply to OpenAI requests that leave them unset: %s",
+                    state.sampling_defaults)
+    state.set_phase("warming_up")
+    install_drain_handler(scheduler, state, cfg.shutdown_timeout_s)
+    _warm_up(scheduler, state, dist.get_world_size())
+    watch_local_ranks(state, scheduler)
 
 
 def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg) -> None:
@@ -335,83 +296,12 @@ def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg
     state.dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
 
 
-def _fail_open_requests(state, scheduler, reason: str) -> None:
-    """Rank 0, the group failing: answer every open request with an error and let probes see it."""
-    if state is None:
-        return
-    state.set_phase("failed", reason)
-    logger.error("the model group failed: %s", reason)
-    if scheduler is not None:
-        scheduler.fail_all(f"the model group failed: {reason}")
-    time.sleep(_FAILURE_LINGER_S)  # the error responses flush; /health answers 503 meanwhile
-
-
-LIVENESS_POLL_S = 0.2
-
-
-def _dead_local_rank(scheduler) -> str | None:
-    """Why the group is broken, if a rank of this node has exited (its pid, as the rank reported
-    it, is gone), else None. Ranks of a node are numbered from rank 0's up, as torchrun does."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    for rank, stats in enumerate(scheduler.rank_stats[:local]):
-        if stats is None:
-            continue
-        try:
-            os.kill(stats.pid, 0)
-        except ProcessLookupError:
-            return f"rank {rank} (pid {stats.pid}) exited"
-        except PermissionError:
-            pass
-    return None
-
-
-def _watch_local_ranks(state, scheduler) -> None:
-    """Rank 0: /health turns 503 the moment a rank of this node dies, not when the collective that
-    needs it fails or the launcher's SIGTERM comes (seconds later, and a drain looks alive)."""
-    def watch() -> None:
-        # while serving: once draining, the ranks leave on purpose (a failure then still shows in
-        # the collective that needs the dead rank, and in the SIGTERM handler's check)
-        while state.phase in ("warming_up", "ready"):
-            reason = _dead_local_rank(scheduler)
-            if reason is not None:
-                state.set_phase("failed", reason)
-                logger.error("the model group failed: %s", reason)
-                return
-            time.sleep(LIVENESS_POLL_S)
-
-    threading.Thread(target=watch, name="hsdp-liveness", daemon=True).start()
-
-
-def _install_drain_handler(scheduler, state, timeout_s: float) -> None:
-    def drain(signum, _frame) -> None:
-        if (reason := _dead_local_rank(scheduler)) is not None:  # the launcher stopping a broken group
-            state.set_phase("failed", reason)
-        logger.warning("%s: draining (in-flight requests finish within %g s, new ones get 503)",
-                       signal.Signals(signum).name, timeout_s)
-        state.set_phase("draining")
-        scheduler.request_shutdown(timeout_s)
-
-    signal.signal(signal.SIGTERM, drain)
-    signal.signal(signal.SIGINT, drain)
-
-
-def _ignore_stop_signals() -> None:
-    # The launcher (or torchrun) passes SIGTERM/SIGINT to every rank; only rank 0 decides when the
-    # group stops, and its shutdown plan ends every rank's loop. A rank whose peers are gone still
-    # ends: its next collective fails, and the launcher's SIGKILL follows its shutdown timeout.
-    def note(signum, _frame) -> None:
-        logger.info("%s: waiting for rank 0 to end the group", signal.Signals(signum).name)
-
-    signal.signal(signal.SIGTERM, note)
-    signal.signal(signal.SIGINT, note)
-
-
 def _check_before_launch(cfg: ServeConfig, source) -> None:
     """What can fail before any rank starts fails here, in one line."""
     from loaders.checkpoint import load_config
     from server.api.openai.chat import read_chat_template
     from server.engine.capability import check_servable
-    from server.launch import is_under_torchrun, resolve_nproc_per_node
+    from server.group.process_group import is_under_torchrun, resolve_nproc_per_node
 
     check_servable(load_config(source.path))  # a model the engine cannot serve is refused unread
     read_chat_template(cfg.chat_template)  # a --chat-template that is neither file nor template

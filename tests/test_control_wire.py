@@ -73,7 +73,7 @@ def _send_raw(data: bytes, group) -> None:
 
 
 def _pickle_as_plan(rank, world_size, target):
-    from server.control import ControlChannel
+    from server.group.control import ControlChannel
 
     channel = ControlChannel(60, [0, 1])
     if rank == 0:
@@ -131,7 +131,7 @@ def test_records_round_trip_in_process():
 
 
 def _plan_results_and_collectives(rank, world_size):
-    from server.control import ControlChannel
+    from server.group.control import ControlChannel
 
     channel = ControlChannel(60, [0, 1, 2])
     plan = channel.broadcast_plan(realistic_plan() if rank == 0 else None)
@@ -183,7 +183,7 @@ def test_errors_cross_as_records_of_an_allowlist():
 
 
 def _authenticate(rank, world_size, secrets_by_rank):
-    from server.launch import authenticate_group
+    from server.group.process_group import authenticate_group
 
     authenticate_group(secrets_by_rank[rank])
     return "started"
@@ -208,7 +208,7 @@ def test_the_group_starts_with_one_secret_everywhere_and_refuses_a_rank_without(
 
 
 def test_the_secret_is_read_from_the_variable_or_its_file(tmp_path):
-    from server.launch import read_group_secret
+    from server.group.process_group import read_group_secret
 
     assert read_group_secret({}) is None
     assert read_group_secret({"HSDP_GROUP_SECRET": "abc"}) == b"abc"

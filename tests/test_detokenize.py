@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from server.detokenize import IncrementalDetokenizer, StopSequences
+from server.api.detokenize import IncrementalDetokenizer, StopSequences
 from tests.checkpoints import tokenizer
 
 

@@ -241,11 +241,11 @@ def test_a_burst_spreads_over_ranks_whatever_their_pool_sizes():
 
 def test_router_sends_a_request_to_the_replica_whose_step_ends_first():
     """Among replicas within one open request of the least loaded, the one whose step in progress
-    ends first (server/engine/replicas.py): a closed loop's next request would otherwise go to the
+    ends first (server/engine/step_groups.py): a closed loop's next request would otherwise go to the
     replica that just started a step, where its own last request finished."""
     import time
 
-    from server.engine import BlockPool, ReplicaRouter, Scheduler
+    from server.engine import BlockPool, StepGroupRouter, Scheduler
     from server.engine.sampling import SamplingParams
     from server.engine.scheduler import RequestHandle
 
@@ -257,7 +257,7 @@ def test_router_sends_a_request_to_the_replica_whose_step_ends_first():
         return RequestHandle([1, 2, 3], SamplingParams(max_new_tokens=2), deliver=lambda event: None)
 
     a, b = replica(0), replica(1)
-    router = ReplicaRouter([a, b], max_running=16, max_queued=16)
+    router = StepGroupRouter([a, b], max_running=16, max_queued=16)
     first = handle()
     router.submit(first)
     assert first.scheduler is a  # both between steps, nothing open: the first replica
@@ -284,7 +284,7 @@ def test_router_sends_a_request_to_the_replica_whose_step_ends_first():
     assert sixth.scheduler is a and a.step_remaining(time.perf_counter()) == 0.0
     # a full running share (8 here) is passed over for a replica with room, whatever its step
     c, d = replica(0), replica(1)
-    full = ReplicaRouter([c, d], max_running=16, max_queued=16)
+    full = StepGroupRouter([c, d], max_running=16, max_queued=16)
     for _ in range(8):
         c.submit(handle())
     for _ in range(7):

@@ -181,7 +181,7 @@ def test_whitespace_in_streamed_tool_arguments_costs_microseconds_a_token():
 
 
 def test_stop_strings_and_tags_are_held_back_in_time_linear_in_their_length():
-    from server.detokenize import held_back
+    from server.api.detokenize import held_back
 
     stop = "a" * 255 + "b"
     start = time.perf_counter()
@@ -223,7 +223,7 @@ def test_the_readme_tables_the_limits_and_timeouts():
 
 
 def test_a_nan_logprob_is_null_not_a_500():
-    from server.responses import FiniteJSONResponse
+    from server.http.responses import FiniteJSONResponse
 
     body = json.loads(FiniteJSONResponse({"a": [1.0, math.nan, {"b": -math.inf}], "c": "x"}).body)
     assert body == {"a": [1.0, None, {"b": None}], "c": "x"}
@@ -251,10 +251,10 @@ def test_a_full_shared_memory_is_a_named_error_not_sigbus(tmp_path, monkeypatch)
 def test_health_fails_while_a_step_group_is_stuck_with_work():
     from fastapi.testclient import TestClient
 
-    from server.app import build_app
+    from server.http.app import build_app
     from server.engine import BlockPool, Scheduler
-    from server.metrics import ServerMetrics
-    from server.state import ServerState
+    from server.http.metrics import ServerMetrics
+    from server.http.state import ServerState
 
     scheduler = Scheduler(pools=[BlockPool(8, 16)], replicas=[[0]], max_running=4, max_queued=4,
                           max_total_tokens=64, max_prefill_tokens=64, eos_token_ids={0})

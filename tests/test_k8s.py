@@ -36,7 +36,7 @@ ENTRYPOINT_VARIABLES = {"HSDP_NNODES", "HSDP_NODE_RANK", "HSDP_MASTER_ADDR", "HS
 FROM_LWS = {"HSDP_NNODES": "LWS_GROUP_SIZE", "HSDP_NODE_RANK": "LWS_WORKER_INDEX",
             "HSDP_MASTER_ADDR": "LWS_LEADER_ADDRESS"}
 WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
-# Read by the server's ranks (server/launch.py), not options: the control plane's shared secret.
+# Read by the server's ranks (server/group/launch.py), not options: the control plane's shared secret.
 GROUP_SECRET_VARIABLES = {"HSDP_GROUP_SECRET", "HSDP_GROUP_SECRET_FILE"}
 NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 

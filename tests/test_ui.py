@@ -5,7 +5,7 @@ browser download); skipped, saying why, where either is missing.
 
 ``HSDP_UI_SCREENSHOTS=DIR`` (opt-in, never in CI) writes loading.png and serving.png there, serving
 the real-weights default model so that the chat reads as text: the README's two pictures come from
-``HSDP_UI_SCREENSHOTS=server/ui/screenshots pytest tests/test_ui.py -k load``.
+``HSDP_UI_SCREENSHOTS=server/http/ui/screenshots pytest tests/test_ui.py -k load``.
 """
 
 import os

@@ -2,5 +2,5 @@
 router: ``tgi`` (text-generation-inference: ``/generate``, ``/generate_stream``, ``/``), ``openai``
 (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, tool calling), and ``tokenize``
 (``/tokenize`` in both shapes, ``/detokenize``). What they share with the engine lives in
-``server.generation``; their error bodies in ``server.errors``.
+``server.api.generation``; their error bodies in ``server.http.errors``.
 """

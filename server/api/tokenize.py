@@ -11,9 +11,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
-from server.errors import InputValidationError
-from server.generation import check_token_ids, off_loop, require_ready
-from server.state import ServerState
+from server.http.errors import InputValidationError
+from server.api.generation import check_token_ids, off_loop, require_ready
+from server.http.state import ServerState
 
 
 class TokenizeRequest(BaseModel):

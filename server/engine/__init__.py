@@ -2,13 +2,13 @@
 scheduler per replica behind ``replicas``' router), every rank computes its share of it (``rank``: the paged KV cache and attention of ``attention``, the batched
 sampler of ``sampling``); ``plan`` holds what crosses the control channel between them.
 
-Token ids only: text belongs to the API side (``server.detokenize``).
+Token ids only: text belongs to the API side (``server.api.detokenize``).
 """
 
 from server.engine.blocks import BlockPool
 from server.engine.plan import SequenceAdd, StepPlan, StepResult, TokenResult, Work
 from server.engine.rank import KVGeometry, RankEngine, size_kv_pool
-from server.engine.replicas import ReplicaRouter
+from server.engine.step_groups import StepGroupRouter
 from server.engine.sampling import SamplingParams
 from server.engine.scheduler import ErrorEvent, RequestHandle, Scheduler, TokenEvent, choose_seed
 
@@ -17,7 +17,7 @@ __all__ = [
     "ErrorEvent",
     "KVGeometry",
     "RankEngine",
-    "ReplicaRouter",
+    "StepGroupRouter",
     "RequestHandle",
     "SamplingParams",
     "Scheduler",

@@ -78,6 +78,6 @@ class StepResult:
     sequences_started: int  # cumulative, for the per-rank spread
     tokens_computed: int  # cumulative tokens this rank ran through the model
     pid: int  # the rank's process, for operators
-    memory: dict | None = None  # the rank's memory report, every few seconds (server.memory)
+    memory: dict | None = None  # the rank's memory report, every few seconds (server.group.memory)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     forwards: int = 0  # cumulative forward passes this rank ran (idle one-token forwards included)

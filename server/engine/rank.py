@@ -119,7 +119,7 @@ class RankEngine:
         self._prompt_logprobs: list[PromptLogprobs] = []  # this step's, for the step's result
         self.fault_at = _injected_fault(rank)
         self.delay_s = _injected_delay(rank)
-        self.memory = None  # a server.memory.MemoryReport, reported every few seconds
+        self.memory = None  # a server.group.memory.MemoryReport, reported every few seconds
         self._reported_at = 0.0
         self._trimmed_at, self._forwards_at_trim = 0.0, 0
 
@@ -146,7 +146,7 @@ class RankEngine:
             tokens = self._forward(work) if work else self._idle_forward()
         elif self.forwards != self._forwards_at_trim and time.monotonic() - self._trimmed_at > TRIM_WHEN_IDLE_EVERY_S:
             # idle after work: what a burst's activations left in the allocator goes back to the system
-            from server.memory import release_freed_memory
+            from server.group.memory import release_freed_memory
 
             release_freed_memory()
             self._trimmed_at, self._forwards_at_trim = time.monotonic(), self.forwards

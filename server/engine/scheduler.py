@@ -1,6 +1,6 @@
 """Rank 0's scheduler of one replica: admits requests by KV blocks, places them, plans its ranks' steps.
 
-Token ids only: text is the API side's business (``server.detokenize``). Each step:
+Token ids only: text is the API side's business (``server.api.detokenize``). Each step:
 
 1. every running sequence that has computed all its tokens decodes one more; one that crosses
    into a new block gets one, and when its rank has none left the youngest sequence there is
@@ -11,7 +11,7 @@ Token ids only: text is the API side's business (``server.detokenize``). Each st
 3. prompts are computed in chunks: at most ``max_prefill_tokens`` prompt tokens per rank per
    step, new requests' first chunks before the rest of longer prompts, while decodes go on.
 
-One per replica (``server.engine.replicas`` routes requests between them), each planning for
+One per replica (``server.engine.step_groups`` routes requests between them), each planning for
 its replica's ranks (``rank_ids``: plans name global ranks) on the rank 0 thread that steps that
 replica; HTTP handlers talk to it only through ``try_submit``, ``cancel`` and ``finish``, which are
 thread-safe. (With ``replicas`` of several groups one scheduler can still plan for all of them
@@ -71,9 +71,9 @@ class RequestHandle:
     num_computed: int = 0  # tokens whose keys and values are in the cache
     num_registered: int = 0  # full blocks entered in the prefix cache
     last_key: bytes = b""  # the prefix key of the last of those
-    cache_root: bytes = b""  # where its prefix keys' chain starts: its cache_salt's (server.generation.cache_root)
+    cache_root: bytes = b""  # where its prefix keys' chain starts: its cache_salt's (server.api.generation.cache_root)
     prompt_scores: list | None = None  # (logprob, top) of prompt tokens 1.., where asked for
-    scheduler: object = None  # the Scheduler it was submitted to (a replica's, behind a ReplicaRouter)
+    scheduler: object = None  # the Scheduler it was submitted to (a replica's, behind a StepGroupRouter)
     done: bool = False
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None

@@ -17,7 +17,7 @@ import re
 
 from server.api.openai.protocol import ChatCompletionRequest, ChatMessage
 from server.api.openai.tools import FORMATS, ToolCallFormat
-from server.errors import InputValidationError
+from server.http.errors import InputValidationError
 
 FALLBACK_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"

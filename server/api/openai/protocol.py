@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 # How many choices, prompts, stop sequences and alternatives a request may ask for is the
-# server's --max-* options (server.generation.check_request_bounds), not the schema's.
+# server's --max-* options (server.api.generation.check_request_bounds), not the schema's.
 
 
 class StreamOptions(BaseModel):

@@ -49,10 +49,10 @@ from server.api.openai.serving import (
 )
 from server.api.openai.tools import StreamingToolParser
 from server.engine.scheduler import TokenEvent
-from server.errors import GenerationError, InputValidationError, UnavailableError, error_body
-from server.generation import (RequestStream, check_admission, check_request_bounds, check_token_ids, collect_all,
+from server.http.errors import GenerationError, InputValidationError, UnavailableError, error_body
+from server.api.generation import (RequestStream, check_admission, check_request_bounds, check_token_ids, collect_all,
                                off_loop, open_streams, require_ready, tokenize)
-from server.state import ServerState
+from server.http.state import ServerState
 
 
 def chat_renderer(state: ServerState):
@@ -272,7 +272,7 @@ async def _tool_grammar(state: ServerState, renderer, offered, several: bool) ->
     their schemas, built and checked off the event loop (128 tools of 50 properties take 0.4 s);
     a schema llguidance cannot take is a 400 naming ``tools``."""
     from server.engine.grammar import grammars_of
-    from server.generation import run_grammar_work
+    from server.api.generation import run_grammar_work
 
     functions = [t.function.model_dump(exclude_none=True) for t in offered]
 

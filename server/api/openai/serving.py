@@ -14,12 +14,12 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from server.api.openai.protocol import Usage
-from server.detokenize import held_back
+from server.api.detokenize import held_back
 from server.engine.sampling import SamplingParams
 from server.engine.scheduler import TokenEvent
-from server.errors import InputValidationError, ModelNotFoundError
-from server.generation import RequestStream, check_token_ids, compile_grammar
-from server.state import ServerState
+from server.http.errors import InputValidationError, ModelNotFoundError
+from server.api.generation import RequestStream, check_token_ids, compile_grammar
+from server.http.state import ServerState
 
 
 async def _grammar(state: ServerState, req, tool_grammar: str | None) -> str | None:

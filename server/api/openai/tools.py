@@ -24,7 +24,9 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from server.detokenize import held_back
+from server.config import TOOL_CALL_PARSERS
+
+from server.api.detokenize import held_back
 
 
 def new_call_id() -> str:
@@ -224,6 +226,8 @@ def _loads(text: str):
 
 
 FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (ToolCallFormat(),)}
+if tuple(FORMATS) != TOOL_CALL_PARSERS:  # the option's choices are declared in server.config
+    raise ImportError(f"tool-call formats {tuple(FORMATS)} differ from server.config.TOOL_CALL_PARSERS {TOOL_CALL_PARSERS}")
 """``--tool-call-parser`` names and their formats."""
 
 

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 # best_of, top_n_tokens and stop are bounded by the server's --max-* options
-# (server.generation.check_request_bounds), not by the schema.
+# (server.api.generation.check_request_bounds), not by the schema.
 
 
 class GenerateParameters(BaseModel):

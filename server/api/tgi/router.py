@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from server.errors import GenerationError, InputValidationError, error_body
-from server.responses import FiniteJSONResponse
-from server.generation import (RequestStream, check_admission, check_request_bounds, collect_all, compile_grammar,
+from server.http.errors import GenerationError, InputValidationError, error_body
+from server.http.responses import FiniteJSONResponse
+from server.api.generation import (RequestStream, check_admission, check_request_bounds, collect_all, compile_grammar,
                                open_streams, require_ready, tokenize)
 from server.api.tgi.protocol import (
     BestOfSequence,
@@ -26,7 +26,7 @@ from server.api.tgi.protocol import (
 )
 from server.engine.sampling import SamplingParams
 from server.engine.scheduler import TokenEvent
-from server.state import ServerState
+from server.http.state import ServerState
 
 
 def _token(event: TokenEvent) -> Token:

@@ -62,7 +62,7 @@ class ServerMetrics:
         self.failures = Counter("hsdp_failures", "Failed requests by reason", ["reason"], registry=r)
         self.connections_timed_out = Counter(
             "hsdp_connections_timed_out", "Connections closed by a deadline: headers, body, slow_reader "
-            "(server.connections, server.guard)", ["deadline"], registry=r)
+            "(server.http.connections, server.http.guard)", ["deadline"], registry=r)
         self.buffered_body_bytes = Gauge("hsdp_buffered_body_bytes", "Request body bytes held in memory now, "
                                          "over all connections", registry=r)
 

@@ -1,5 +1,5 @@
 """Rank 0's HTTP app: probes, info and metrics here; the APIs in ``server.api`` (TGI's, OpenAI's,
-tokenization). Errors leave through ``server.errors``, in each API's style.
+tokenization). Errors leave through ``server.http.errors``, in each API's style.
 """
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server import __version__
-from server.errors import register_error_handlers
-from server.guard import GuardMiddleware, allowed_hosts_for
-from server.responses import FiniteJSONResponse
+from server.http.errors import register_error_handlers
+from server.http.guard import GuardMiddleware, allowed_hosts_for
+from server.http.responses import FiniteJSONResponse
 from server.api.openai.router import build_openai_router
-from server.state import ServerState
+from server.http.state import ServerState
 from server.api.tgi.router import build_tgi_router
 from server.api.tokenize import build_tokenize_router
-from server.ui import build_ui_router
+from server.http.ui import build_ui_router
 
 
 

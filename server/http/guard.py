@@ -6,7 +6,7 @@ untouched and their full duration is measured. In order, a request is refused wi
 error body when its Host is not allowed (403: DNS rebinding), it lacks the key (401), its body
 is larger than ``--max-body-bytes`` (413), has not arrived within ``--body-timeout`` (408), or
 would take the bodies held in memory past ``--max-buffered-body-bytes`` (503). Connection-level
-deadlines (headers, slow readers) are ``server.connections``'.
+deadlines (headers, slow readers) are ``server.http.connections``'.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import hmac
 import json
 import time
 
-from server.errors import (APIError, AuthenticationError, BodyTooLargeError, ForbiddenError, RequestTimeoutError,
+from server.http.errors import (APIError, AuthenticationError, BodyTooLargeError, ForbiddenError, RequestTimeoutError,
                            UnavailableError, error_body, error_status)
-from server.metrics import ServerMetrics
+from server.http.metrics import ServerMetrics
 
 PROBE_PATHS = frozenset({"/health", "/ready"})
 """Open to any method without a key: the probes (``/metrics`` too with ``--open-metrics``)."""

@@ -1,7 +1,7 @@
 """What every generate endpoint shares: admission checks, and the bridge from the engine thread.
 
 :class:`RequestStream` is one request on the asyncio side: it submits the token ids, receives the
-engine's token events, and turns them into text incrementally (``server.detokenize``): each event
+engine's token events, and turns them into text incrementally (``server.api.detokenize``): each event
 gets the text it adds and the token's own text, and a stop sequence ends the request here (the
 scheduler is told to free the sequence). Both APIs read the same events.
 """
@@ -13,11 +13,11 @@ import functools
 import time
 from collections.abc import AsyncIterator
 
-from server.detokenize import IncrementalDetokenizer, StopSequences
+from server.api.detokenize import IncrementalDetokenizer, StopSequences
 from server.engine.sampling import SamplingParams
 from server.engine.scheduler import ErrorEvent, RequestHandle, TokenEvent, choose_seed
-from server.errors import GenerationError, InputValidationError, OverloadedError, UnavailableError
-from server.state import ServerState
+from server.http.errors import GenerationError, InputValidationError, OverloadedError, UnavailableError
+from server.http.state import ServerState
 
 def require_ready(state: ServerState) -> None:
     """503 until the model is loaded and warmed up (before then there is no tokenizer to use)."""

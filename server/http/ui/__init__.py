@@ -6,7 +6,7 @@ progress), ``/info`` (the group, per rank memory and work), ``/metrics`` (live f
 between scrapes), and streams from ``/v1/chat/completions``. Charts are drawn by the page on a
 canvas (a few lines; a charting library would be the largest file here). With ``--api-key`` the
 page asks for the key and keeps it in the tab's sessionStorage only; only GET of the page and its
-assets is open without a key (``server.guard``).
+assets is open without a key (``server.http.guard``).
 """
 
 from __future__ import annotations

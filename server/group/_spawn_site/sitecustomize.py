@@ -1,11 +1,11 @@
 """Names a rank the moment its interpreter starts (``ps``: ``hsdp-serve rank (starting)``).
 
-The launcher puts this folder on ``PYTHONPATH`` for the ranks it spawns (``server.launch``):
+The launcher puts this folder on ``PYTHONPATH`` for the ranks it spawns (``server.group.launch``):
 Python imports ``sitecustomize`` before anything else, so a rank is named before it spends
 seconds importing torch (until then ``ps`` showed ``python3 -c from multiprocessing.spawn ...``).
 Only a multiprocessing child (``--multiprocessing-fork``) of a launcher that set
 ``HSDP_SPAWN_TITLE`` is named; the rank's own title, with its number, follows in
-``server.launch._run_rank``. The ``sitecustomize`` this one shadows, if any, runs after it.
+``server.group.launch._run_rank``. The ``sitecustomize`` this one shadows, if any, runs after it.
 """
 
 import os

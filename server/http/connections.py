@@ -16,7 +16,7 @@ protocol class that adds the two missing deadlines, checked by one timer per con
   marked disconnected, so its route sees ``http.disconnect`` and cancels its sequences.
 
 Probes (``GET /health``, ``GET /ready``) are answered past the connection cap: a flood of idle
-sockets must not make an orchestrator restart a healthy group. The body deadline lives in ``server.guard`` (it reads bodies). This module knows uvicorn's h11
+sockets must not make an orchestrator restart a healthy group. The body deadline lives in ``server.http.guard`` (it reads bodies). This module knows uvicorn's h11
 protocol from the inside (``cycle``, ``transport``, ``on_response_complete``, ``timeout_keep_alive``): it is pinned to the
 uvicorn versions ``pyproject.toml`` allows and tested with real sockets (tests/test_hardening.py).
 """

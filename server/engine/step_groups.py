@@ -5,7 +5,7 @@ shard group), and a single rank when every unit is resident and a forward runs n
 (server.main ``_step_groups``); "replica" below means either. Each replica runs its own steps:
 its scheduler plans for its ranks only, its ranks enter a forward only when it has work (an
 idle replica runs none), and a replica's slow step (a long prefill) delays no other replica.
-:class:`ReplicaRouter` is what rank 0's HTTP side sees: the
+:class:`StepGroupRouter` is what rank 0's HTTP side sees: the
 one scheduler interface (``try_submit``, ``cancel``, ``finish``, counts, per-rank stats in global
 rank order), each request placed on a replica when it arrives:
 
@@ -35,7 +35,7 @@ from server.engine.blocks import chain_hashes
 from server.engine.scheduler import RequestHandle, Scheduler
 
 
-class ReplicaRouter:
+class StepGroupRouter:
     def __init__(self, schedulers: list[Scheduler], *, max_running: int, max_queued: int):
         self.schedulers = schedulers
         self.replicas = [list(s.rank_ids) for s in schedulers]
