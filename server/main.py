@@ -253,6 +253,7 @@ def _open_for_requests(cfg: ServeConfig, state, scheduler, loaded, engine, per_r
     and the watch over this node's ranks."""
     from server.api.openai.chat import ChatRenderer, read_chat_template
     from server.group.lifecycle import install_drain_handler, watch_local_ranks
+    from server.group.memory import QuietReclaimer
 
     _describe_group(state, scheduler, loaded, per_rank, group.residency, group.shm_pool, cfg)
     state.special_ids = frozenset(getattr(loaded.tokenizer, "all_special_ids", ()))
@@ -267,6 +268,8 @@ def _open_for_requests(cfg: ServeConfig, state, scheduler, loaded, engine, per_r
     install_drain_handler(scheduler, state, cfg.shutdown_timeout_s)
     _warm_up(scheduler, state, dist.get_world_size())
     watch_local_ranks(state, scheduler)
+    # what the HTTP side leaves in the allocator goes back while nothing runs (server.group.memory)
+    QuietReclaimer(lambda: scheduler.num_running == 0 and scheduler.num_waiting == 0).start()
 
 
 def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg) -> None:
