@@ -4,7 +4,7 @@
 
 What one request's API side does per generated token (server.api.generation.RequestStream and the
 OpenAI stream): the incremental detokenizer, the stop-sequence check, the OpenAI held-back
-deltas, against what the engine did before (decode all generated ids again for every token, and
+deltas (server.api.outputs), against what the engine did before (decode all generated ids again for every token, and
 diff the whole text). The tokenizer is the default model's (SmolLM2), or ``--model``'s. Prints
 one JSON document: microseconds per token at each length, for both, and their ratio.
 """
@@ -21,19 +21,14 @@ TEXT = ("The capital of France is Paris. Ünïcödé, 日本語 and emoji 🙂 m
 
 
 def _incremental(tokenizer, ids: list[int]) -> float:
-    from server.api.detokenize import IncrementalDetokenizer, StopSequences
+    from server.api.outputs import OutputProcessor
     from server.engine.scheduler import TokenEvent
-    from server.api.openai.serving import TextDeltas as _TextDeltas
 
-    detok, stops, deltas = IncrementalDetokenizer(tokenizer), StopSequences(["</answer>", "\n\n\n"]), None
-    deltas = _TextDeltas(stops.stops)
+    output = OutputProcessor(tokenizer, ["</answer>", "\n\n\n"])
     start = time.perf_counter()
     for token in ids:
-        event = TokenEvent(token, 0.0)
-        event.text = detok.step(token)
-        event.token_text = tokenizer.decode([token])
-        stops.feed(event.text)
-        deltas.next(event)
+        output.process(TokenEvent(token, 0.0))  # the text it adds, the stop sequences, what may be shown
+        output.token_text(token)  # its own text, as logprobs and TGI's details show it
     return time.perf_counter() - start
 
 

@@ -213,7 +213,7 @@ def run_engine(engine, prompts: list[list[int]], new_tokens: int, *, kv_blocks: 
         def deliver(event):
             if hasattr(event, "message"):
                 raise RuntimeError(f"request {i} failed: {event.message}")
-            outs[i].append(event.id)
+            outs[i].append(event.token_id)
             if event.finish is not None:
                 finished[0] += 1
         return deliver

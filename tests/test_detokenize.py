@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from server.api.detokenize import IncrementalDetokenizer, StopSequences
+from server.api.detokenize import IncrementalDetokenizer, StopText
 from tests.checkpoints import tokenizer
 
 
@@ -30,8 +30,14 @@ def test_text_with_special_tokens_and_multibyte_characters():
 
 
 def test_stop_sequences_across_pieces():
-    stops = StopSequences(["wörld", "END"])
-    assert [stops.feed(p) for p in ["hé", "llo w", "ör", "ld and"]] == [None, None, None, 2]
-    stops = StopSequences(["END"])
-    assert stops.feed("no stop here") is None and stops.feed("E") is None and stops.feed("ND!") == 2
-    assert StopSequences([]).feed("anything") is None
+    stops = StopText(["wörld", "END"])
+    # held back while it may still become a stop sequence; cut before the one that completes
+    assert [stops.feed(p) for p in ["hé", "llo w", "ör", "ld and"]] == ["hé", "llo ", "", ""] and stops.stopped
+    assert stops.feed("more") == ""  # nothing after a stop sequence
+    stops = StopText(["END"])
+    assert stops.feed("no stop here") == "no stop here" and stops.feed("E") == "" and stops.feed("ND!") == ""
+    assert stops.stopped
+    held = StopText(["END"])
+    assert held.feed("abcE") == "abc" and held.feed("N", final=True) == "EN" and not held.stopped
+    free = StopText([])
+    assert free.feed("anything") == "anything" and not free.stopped

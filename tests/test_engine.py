@@ -69,7 +69,7 @@ class Harness:
             if hasattr(event, "message"):
                 out["error"] = event.message
             else:
-                out["tokens"].append(event.id)
+                out["tokens"].append(event.token_id)
                 out["finish"] = event.finish
                 if event.prompt_logprobs is not None:
                     out["prompt_logprobs"] = event.prompt_logprobs

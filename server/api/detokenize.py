@@ -9,9 +9,10 @@ The pieces, and :meth:`IncrementalDetokenizer.flush` at the end (bytes of an unf
 character, as the replacement characters a whole decode gives), concatenate to what
 ``tokenizer.decode(all ids, skip_special_tokens=True)`` returns.
 
-:class:`StopSequences` finds a stop sequence in the text as it grows, looking only at the new
-piece and the few characters before it; :func:`held_back` says how much of a text's end may still
-become one of some strings (a stop sequence, a tool-call tag), for streams that hold it back.
+:class:`StopText` is the one place stop sequences are handled: it cuts the text as it grows
+before the first stop sequence, holding back the end that may still become one and looking only
+at that end and the new piece; :func:`held_back` says how much of a text's end may still become
+one of some strings (a stop sequence, a tool-call tag), for streams that hold it back.
 """
 
 from __future__ import annotations
@@ -69,23 +70,29 @@ class IncrementalDetokenizer:
         return text
 
 
-class StopSequences:
+class StopText:
+    """A request's text as a client may see it, a piece at a time: cut before the first stop
+    sequence, and never showing the end that may still become one. :meth:`feed` looks only at what
+    it holds back and the new piece, so the cost per token does not grow with the text; the pieces
+    it returns join to the whole text cut before its first stop sequence (with ``final`` on the last)."""
+
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
-        self._keep = max((len(s) for s in self.stops), default=1) - 1
-        self._tail = ""  # the last characters of the text seen so far, as long as the longest stop less one
+        self.stopped = False  # a stop sequence completed: nothing more is shown
+        self._held = ""
 
-    def feed(self, piece: str) -> int | None:
-        """Add ``piece``; the index in ``piece`` just after the end of the first stop sequence that
-        it completes, or None."""
-        if not self.stops or not piece:
-            return None
-        window = self._tail + piece
-        ends = [window.find(s) + len(s) for s in self.stops if s in window]
-        self._tail = window[-self._keep:] if self._keep else ""
-        if not ends:
-            return None
-        return max(0, min(ends) - (len(window) - len(piece)))
+    def feed(self, piece: str, final: bool = False) -> str:
+        """Add ``piece``; the text that may be shown now (all that is left with ``final``)."""
+        if self.stopped:
+            return ""
+        held = self._held + piece
+        cuts = [held.find(s) for s in self.stops if s in held]
+        if cuts:
+            self.stopped, self._held = True, ""
+            return held[: min(cuts)]
+        keep = 0 if final else held_back(held, self.stops)
+        self._held = held[len(held) - keep:] if keep else ""
+        return held[: len(held) - keep]
 
 
 def held_back(text: str, targets) -> int:

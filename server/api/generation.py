@@ -1,9 +1,9 @@
 """What every generate endpoint shares: admission checks, and the bridge from the engine thread.
 
 :class:`RequestStream` is one request on the asyncio side: it submits the token ids, receives the
-engine's token events, and turns them into text incrementally (``server.api.detokenize``): each event
-gets the text it adds and the token's own text, and a stop sequence ends the request here (the
-scheduler is told to free the sequence). Both APIs read the same events.
+engine's token events and yields each as its :class:`~server.api.outputs.TokenOutput` (the text it
+adds, what a client may see, the finish); a stop sequence ends the request here (the scheduler is
+told to free the sequence). Both APIs read the same outputs.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import functools
 import time
 from collections.abc import AsyncIterator
 
-from server.api.detokenize import IncrementalDetokenizer, StopSequences
+from server.api.outputs import OutputProcessor, TokenOutput
 from server.engine.sampling import SamplingParams
-from server.engine.scheduler import ErrorEvent, RequestHandle, TokenEvent, choose_seed
+from server.engine.scheduler import ErrorEvent, RequestHandle, choose_seed
 from server.http.errors import GenerationError, InputValidationError, OverloadedError, UnavailableError
 from server.http.state import ServerState
 
@@ -149,11 +149,9 @@ class RequestStream:
             deliver=lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event),
             cache_root=cache_root(cache_salt),
         )
-        self.detokenizer = IncrementalDetokenizer(state.tokenizer)
-        self.stops = StopSequences(stop)
+        self.output = OutputProcessor(state.tokenizer, stop, state.special_ids)
         self.num_tokens = 0  # tokens delivered (the engine may have made one or two more after a stop)
         self.finish_reason: str | None = None
-        self._pieces: list[str] = []
         self.arrived_at = time.monotonic()
         self.finished_at: float | None = None
         self._submit()
@@ -169,31 +167,19 @@ class RequestStream:
     @property
     def text(self) -> str:
         """The text generated so far (stop sequence included)."""
-        if len(self._pieces) > 1:
-            self._pieces[:] = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
+        return self.output.text
+
+    @property
+    def visible_text(self) -> str:
+        """The text generated so far, cut before a stop sequence (as OpenAI returns it)."""
+        return self.output.visible_text
 
     @property
     def seed(self) -> int | None:
         return self.handle.params.seed if self.handle.params.samples else None
 
-    def _complete(self, event: TokenEvent) -> None:
-        """Fill in the event's text; end the request here if it completes a stop sequence."""
-        tokenizer = self.state.tokenizer
-        event.text = self.detokenizer.step(event.id)
-        if event.finish is not None:
-            event.text += self.detokenizer.flush()
-        event.token_text = tokenizer.decode([event.id])
-        event.special = event.id in self.state.special_ids
-        if self.stops.feed(event.text) is not None and event.finish is None:
-            event.finish = "stop_sequence"
-            event.text += self.detokenizer.flush()
-            self.state.scheduler.finish(self.handle)
-        self._pieces.append(event.text)
-        self.num_tokens += 1
-
-    async def events(self) -> AsyncIterator[TokenEvent]:
-        """Token events until the last (``event.finish`` set); frees the sequence if abandoned."""
+    async def events(self) -> AsyncIterator[TokenOutput]:
+        """The request's outputs until the last (``finish`` set); frees the sequence if abandoned."""
         scheduler = self.state.scheduler
         try:
             while True:
@@ -201,10 +187,13 @@ class RequestStream:
                 if isinstance(event, ErrorEvent):
                     self.state.metrics.failures.labels("engine").inc()
                     raise GenerationError(event.message)
-                self._complete(event)
-                yield event
-                if event.finish is not None:
-                    self.finish_reason = event.finish
+                out = self.output.process(event)
+                self.num_tokens += 1
+                if out.finish == "stop_sequence":
+                    scheduler.finish(self.handle)
+                yield out
+                if out.finish is not None:
+                    self.finish_reason = out.finish
                     self.finished_at = time.monotonic()
                     return
         finally:
@@ -231,9 +220,9 @@ class RequestStream:
         }
 
 
-async def collect_all(streams: list[RequestStream], request) -> list[list[TokenEvent]]:
+async def collect_all(streams: list[RequestStream], request) -> list[list[TokenOutput]]:
     """Every stream's events (a request's choices, or best_of sequences); a client that disconnects first cancels them all."""
-    collected: list[list[TokenEvent]] = [[] for _ in streams]
+    collected: list[list[TokenOutput]] = [[] for _ in streams]
 
     async def consume(i: int) -> None:
         async for event in streams[i].events():

@@ -8,12 +8,12 @@ request would be) answers ``{count, max_model_len, tokens}``. Bad bodies get eac
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict
 
 from server.http.errors import InputValidationError
 from server.api.generation import check_token_ids, off_loop, require_ready
-from server.http.state import ServerState
+from server.http.state import ServerState, server_state
 
 
 class TokenizeRequest(BaseModel):
@@ -57,54 +57,56 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def build_tokenize_router(state: ServerState) -> APIRouter:
-    router = APIRouter()
+router = APIRouter()
 
-    def tokenizer():
-        require_ready(state)
-        return state.tokenizer
 
-    def bounded(ids, param: str):
-        limit = state.limits.max_tokenize_tokens
-        if len(ids) > limit:
-            raise InputValidationError(f"{param}: the text is {len(ids)} tokens; a /tokenize answer carries at most "
-                                       f"{limit} (--max-tokenize-tokens)", param=param)
-        return ids
+def _tokenizer(state: ServerState):
+    require_ready(state)
+    return state.tokenizer
 
-    def spans(text: str) -> list[TokenSpan]:
-        """TGI's answer, built on a worker thread: a long text's spans take a while."""
-        encoded = state.tokenizer(text, return_offsets_mapping=True)
-        bounded(encoded.input_ids, "inputs")
-        return [TokenSpan(id=i, text=text[a:b], start=a, stop=b)
-                for i, (a, b) in zip(encoded.input_ids, encoded.offset_mapping)]
 
-    @router.post("/tokenize", response_model=list[TokenSpan] | VLLMTokenizeResponse)
-    async def tokenize(body: TokenizeRequest):
-        given = [name for name in ("inputs", "prompt", "messages") if getattr(body, name) is not None]
-        if len(given) != 1:
-            raise InputValidationError("give exactly one of inputs (TGI), prompt or messages (vLLM)", param="inputs")
-        tok = tokenizer()
-        if body.inputs is not None:
-            return await off_loop(spans, body.inputs)
-        if body.prompt is not None:
-            ids = bounded((await off_loop(tok, body.prompt, add_special_tokens=body.add_special_tokens)).input_ids,
-                          "prompt")
-        else:
-            from server.api.openai.protocol import ChatCompletionRequest
-            from server.api.openai.router import chat_renderer
+def _bounded(state: ServerState, ids, param: str):
+    limit = state.limits.max_tokenize_tokens
+    if len(ids) > limit:
+        raise InputValidationError(f"{param}: the text is {len(ids)} tokens; a /tokenize answer carries at most "
+                                   f"{limit} (--max-tokenize-tokens)", param=param)
+    return ids
 
-            try:
-                request = ChatCompletionRequest.model_validate({"messages": body.messages, "tools": body.tools})
-            except ValueError as e:
-                raise InputValidationError(f"messages: {e}", param="messages") from e
-            ids = bounded(await off_loop(chat_renderer(state).prompt_ids, request,
-                                         add_generation_prompt=body.add_generation_prompt), "messages")
-        limit = state.limits.max_total_tokens if state.limits else None
-        return VLLMTokenizeResponse(count=len(ids), max_model_len=limit or 0, tokens=ids)
 
-    @router.post("/detokenize", response_model=DetokenizeResponse)
-    async def detokenize(body: DetokenizeRequest):
-        check_token_ids(body.tokens, len(tokenizer()), "tokens")
-        return DetokenizeResponse(prompt=await off_loop(state.tokenizer.decode, body.tokens))
+def _spans(state: ServerState, text: str) -> list[TokenSpan]:
+    """TGI's answer, built on a worker thread: a long text's spans take a while."""
+    encoded = state.tokenizer(text, return_offsets_mapping=True)
+    _bounded(state, encoded.input_ids, "inputs")
+    return [TokenSpan(id=i, text=text[a:b], start=a, stop=b)
+            for i, (a, b) in zip(encoded.input_ids, encoded.offset_mapping)]
 
-    return router
+
+@router.post("/tokenize", response_model=list[TokenSpan] | VLLMTokenizeResponse)
+async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_state)):
+    given = [name for name in ("inputs", "prompt", "messages") if getattr(body, name) is not None]
+    if len(given) != 1:
+        raise InputValidationError("give exactly one of inputs (TGI), prompt or messages (vLLM)", param="inputs")
+    tok = _tokenizer(state)
+    if body.inputs is not None:
+        return await off_loop(_spans, state, body.inputs)
+    if body.prompt is not None:
+        ids = (await off_loop(tok, body.prompt, add_special_tokens=body.add_special_tokens)).input_ids
+        ids = _bounded(state, ids, "prompt")
+    else:
+        from server.api.openai.chat_completions import chat_renderer
+        from server.api.openai.protocol import ChatCompletionRequest
+
+        try:
+            request = ChatCompletionRequest.model_validate({"messages": body.messages, "tools": body.tools})
+        except ValueError as e:
+            raise InputValidationError(f"messages: {e}", param="messages") from e
+        ids = _bounded(state, await off_loop(chat_renderer(state).prompt_ids, request,
+                                             add_generation_prompt=body.add_generation_prompt), "messages")
+    limit = state.limits.max_total_tokens if state.limits else None
+    return VLLMTokenizeResponse(count=len(ids), max_model_len=limit or 0, tokens=ids)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(server_state)):
+    check_token_ids(body.tokens, len(_tokenizer(state)), "tokens")
+    return DetokenizeResponse(prompt=await off_loop(state.tokenizer.decode, body.tokens))

@@ -34,22 +34,18 @@ from server.engine.plan import SequenceAdd, StepPlan, StepResult, Work
 from server.engine.sampling import SamplingParams
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
-    """One generated token, from the engine thread to the request's API handler. The handler's
-    detokenizer fills ``text`` (what this token adds to the text) and ``token_text`` (the token
-    on its own); ``finish`` is set on the request's last token."""
+    """One generated token of one request: the engine's only record of it for the API side, made on
+    rank 0's engine thread and never changed after. Text is the API side's (``server.api.outputs``)."""
 
-    id: int
+    token_id: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)  # (id, logprob)
-    finish: str | None = None  # length | eos_token | stop_sequence
+    top: list[tuple[int, float]] = field(default_factory=list)  # (id, logprob) of the likeliest, where asked
+    finish: str | None = None  # on the request's last token: length | eos_token
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     """On a request's first token, where it asked for them: (logprob, alternatives) of each prompt
     token after the first."""
-    text: str = ""
-    token_text: str = ""
-    special: bool = False
 
 
 @dataclass
@@ -455,10 +451,9 @@ class Scheduler:
         if reason is not None:
             self._close(handle)
             self._to_remove.append(handle)  # freed on its rank at the next step
-        event = TokenEvent(token_id, result.logprob, result.top, reason)
-        if handle.prompt_scores is not None and handle.num_generated == 1:
-            event.prompt_logprobs = handle.prompt_scores
-        handle.deliver(event)
+        first = handle.prompt_scores is not None and handle.num_generated == 1
+        handle.deliver(TokenEvent(token_id, result.logprob, result.top, reason,
+                                  handle.prompt_scores if first else None))
 
     def step_began(self, at: float) -> None:
         """The engine thread: a step with a forward went out at ``at`` (``time.perf_counter``)."""

@@ -12,12 +12,11 @@ from server import __version__
 from server.http.errors import register_error_handlers
 from server.http.guard import GuardMiddleware, allowed_hosts_for
 from server.http.responses import FiniteJSONResponse
-from server.api.openai.router import build_openai_router
+from server.api.openai.router import router as openai_router
+from server.api.tgi.router import router as tgi_router
+from server.api.tokenize import router as tokenize_router
 from server.http.state import ServerState
-from server.api.tgi.router import build_tgi_router
-from server.api.tokenize import build_tokenize_router
 from server.http.ui import build_ui_router
-
 
 
 def build_app(state: ServerState, cfg=None) -> FastAPI:
@@ -30,9 +29,10 @@ def build_app(state: ServerState, cfg=None) -> FastAPI:
     app.add_middleware(GuardMiddleware, metrics=state.metrics, api_key=state.api_key, max_body_bytes=cfg.max_body_bytes,
                        max_buffered_body_bytes=cfg.max_buffered_body_bytes, body_timeout_s=cfg.body_timeout_s,
                        allowed_hosts=allowed_hosts_for(cfg.host, cfg.allowed_hosts), open_metrics=cfg.open_metrics)
-    app.include_router(build_tgi_router(state))
-    app.include_router(build_openai_router(state))
-    app.include_router(build_tokenize_router(state))
+    app.state.hsdp = state  # the routes' ServerState (server.http.state.server_state)
+    app.include_router(tgi_router)
+    app.include_router(openai_router)
+    app.include_router(tokenize_router)
     app.include_router(build_ui_router())
 
     @app.get("/metrics")

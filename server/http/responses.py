@@ -30,3 +30,20 @@ class FiniteJSONResponse(JSONResponse):
             return super().render(content)
         except ValueError:  # a NaN or an infinity somewhere: null
             return json.dumps(_finite(content), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+SSE_DONE = "data: [DONE]\n\n"
+"""The last frame of an OpenAI stream."""
+
+
+def sse(model) -> str:
+    """One server-sent event of a pydantic model (a NaN log-probability is null, as pydantic writes it)."""
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def sse_error(exc, path: str) -> str:
+    """The frame of an error after a stream has begun (its status line is sent): the error's body
+    in the endpoint's style (``server.http.errors``), the same in both APIs' streams."""
+    from server.http.errors import error_body
+
+    return f"data: {json.dumps(error_body(exc, path))}\n\n"

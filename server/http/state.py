@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from fastapi import Request
+
 PHASES = ("loading", "warming_up", "ready", "draining", "failed")
 LOAD_PROGRESS_KEY = "hsdp/load-progress/"
 """Each rank's ``done,total`` checkpoint bytes while loading, in the group's store."""
@@ -96,3 +98,9 @@ class ServerState:
     @property
     def ready(self) -> bool:
         return self.phase == "ready"
+
+
+def server_state(request: Request) -> ServerState:
+    """The routes' dependency (``Depends(server_state)``): the app's :class:`ServerState`, which
+    ``server.http.app.build_app`` puts on ``app.state.hsdp``."""
+    return request.app.state.hsdp

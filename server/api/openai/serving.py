@@ -1,5 +1,5 @@
-"""What the OpenAI routes share: sampling settings from a request, model names, the choices' streams,
-and text deltas that never show a stop sequence.
+"""What the OpenAI routes share: sampling settings from a request, model names, the choices' merged
+outputs, and answering streamed or whole.
 
 Semantics follow OpenAI's: ``temperature`` defaults to 1 (sampling) and 0 means greedy; the text
 returned stops before a stop sequence. As in vLLM, sampling settings a request leaves unset
@@ -13,12 +13,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from server.api.generation import RequestStream, check_token_ids, collect_all, compile_grammar
 from server.api.openai.protocol import Usage
-from server.api.detokenize import held_back
+from server.api.outputs import TokenOutput
 from server.engine.sampling import SamplingParams
-from server.engine.scheduler import TokenEvent
-from server.http.errors import InputValidationError, ModelNotFoundError
-from server.api.generation import RequestStream, check_token_ids, compile_grammar
+from server.http.errors import GenerationError, InputValidationError, ModelNotFoundError
+from server.http.responses import SSE_DONE, sse_error
 from server.http.state import ServerState
 
 
@@ -79,31 +82,12 @@ def check_model(state: ServerState, model: str | None) -> None:
                                  param="model")
 
 
-def cut_at_stop(text: str, stops: list[str]) -> str:
-    cuts = [text.find(s) for s in stops if s in text]
-    return text[: min(cuts)] if cuts else text
+def finish_reason(out: TokenOutput) -> str:
+    return "length" if out.finish == "length" else "stop"
 
 
-class TextDeltas:
-    """Streamed text never shows a stop sequence, nor the part of one that may still complete.
-    Only what is held back is looked at again: the cost per token does not grow with the text."""
-
-    def __init__(self, stops: list[str]):
-        self.stops, self.held = stops, ""
-
-    def next(self, event: TokenEvent) -> str:
-        held = self.held + event.text
-        visible = cut_at_stop(held, self.stops)
-        if len(visible) < len(held):  # a stop sequence: nothing after it is shown
-            self.held = ""
-            return visible
-        keep = 0 if event.finish is not None else held_back(held, self.stops)
-        self.held = held[len(held) - keep:] if keep else ""
-        return held[: len(held) - keep]
-
-
-def finish_reason(event: TokenEvent) -> str:
-    return "length" if event.finish == "length" else "stop"
+def include_usage(req) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
 
 
 def usage(streams: list[RequestStream], n: int) -> Usage:
@@ -113,15 +97,20 @@ def usage(streams: list[RequestStream], n: int) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, TokenEvent]]:
-    """(choice index, event) of every stream as they come; stopping early cancels the rest."""
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, TokenOutput]]:
+    """(choice index, output) of every stream as they come; stopping early cancels the rest. One
+    stream (``n`` = 1, the common case) is read directly, without a queue and a task."""
+    if len(streams) == 1:
+        async for out in streams[0].events():
+            yield 0, out
+        return
     queue: asyncio.Queue = asyncio.Queue()
     end = object()
 
     async def pump(i: int) -> None:
         try:
-            async for event in streams[i].events():
-                await queue.put((i, event))
+            async for out in streams[i].events():
+                await queue.put((i, out))
         except Exception as e:  # noqa: BLE001 - handed to the reader
             await queue.put((i, e))
         await queue.put((i, end))
@@ -140,3 +129,21 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Token
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def stream_or_collect(serving, req, request: Request):
+    """A streamed request: the SSE frames of ``serving.chunks()`` (an engine error becomes the error
+    frame), ``[DONE]`` last. Else ``serving.respond(outputs per choice)``."""
+    if not req.stream:
+        return serving.respond(await collect_all(serving.streams, request))
+    path = request.url.path
+
+    async def frames() -> AsyncIterator[str]:
+        try:
+            async for frame in serving.chunks():
+                yield frame
+        except GenerationError as e:
+            yield sse_error(e, path)
+        yield SSE_DONE
+
+    return StreamingResponse(frames(), media_type="text/event-stream")

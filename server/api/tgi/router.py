@@ -1,4 +1,11 @@
-"""text-generation-inference routes: ``/generate``, ``/generate_stream`` and the compat ``/``."""
+"""text-generation-inference routes: ``/generate``, ``/generate_stream`` and the compat ``/``.
+
+TGI's semantics: the generated text keeps its stop sequence (``finish_reason`` ``stop_sequence``);
+``best_of`` sequences answer with the likeliest (the sum of its tokens' log-probabilities), the
+others in ``details.best_of_sequences``; ``details`` carries each token with its text, its
+log-probability and whether it is special, ``top_n_tokens`` its likeliest alternatives,
+``decoder_input_details`` the prompt's tokens.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +13,14 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from server.http.errors import GenerationError, InputValidationError, error_body
-from server.http.responses import FiniteJSONResponse
-from server.api.generation import (RequestStream, check_admission, check_request_bounds, collect_all, compile_grammar,
-                               open_streams, require_ready, tokenize)
+from server.api.generation import RequestStream, check_admission, check_request_bounds, collect_all, compile_grammar, \
+    open_streams, require_ready, tokenize
+from server.api.outputs import Alternative, OutputProcessor, TokenOutput
+from server.http.errors import GenerationError, InputValidationError
+from server.http.responses import FiniteJSONResponse, sse, sse_error
 from server.api.tgi.protocol import (
     BestOfSequence,
     CompatGenerateRequest,
@@ -25,18 +33,22 @@ from server.api.tgi.protocol import (
     Token,
 )
 from server.engine.sampling import SamplingParams
-from server.engine.scheduler import TokenEvent
-from server.http.state import ServerState
+from server.http.state import ServerState, server_state
+
+router = APIRouter()
 
 
-def _token(event: TokenEvent) -> Token:
-    return Token(id=event.id, text=event.token_text, logprob=event.logprob, special=event.special)
+def _token(a: Alternative) -> Token:
+    return Token(id=a.token_id, text=a.text, logprob=a.logprob, special=a.special)
 
 
-def _top_tokens(state: ServerState, event: TokenEvent) -> list[Token]:
+def _tokens(output: OutputProcessor, out: TokenOutput) -> Token:
+    return _token(output.token(out.event.token_id, out.event.logprob))
+
+
+def _top_tokens(output: OutputProcessor, out: TokenOutput) -> list[Token]:
     """``top_n_tokens``: the step's most likely tokens, each with its own text."""
-    special = state.special_ids or frozenset()
-    return [Token(id=t, text=state.tokenizer.decode([t]), logprob=lp, special=t in special) for t, lp in event.top]
+    return [_token(a) for a in output.alternatives(out.event.top)]
 
 
 async def _start(state: ServerState, body: GenerateRequest) -> tuple[list[RequestStream], list[int], float]:
@@ -68,85 +80,82 @@ async def _start(state: ServerState, body: GenerateRequest) -> tuple[list[Reques
     return open_streams(state, [prompt_ids], params, best_of, p.stop), prompt_ids, time.monotonic() - start
 
 
-def _prefill(state: ServerState, prompt_ids: list[int], event: TokenEvent) -> list[InputToken]:
+def _prefill(output: OutputProcessor, prompt_ids: list[int], first: TokenOutput) -> list[InputToken]:
     """``decoder_input_details``: the prompt's tokens, each but the first with its log-probability."""
-    scores = [None] + [lp for lp, _ in event.prompt_logprobs or ()]
-    return [InputToken(id=t, text=state.tokenizer.decode([t]), logprob=lp) for t, lp in zip(prompt_ids, scores)]
+    return [InputToken(id=a.token_id, text=a.text, logprob=a.logprob)
+            for a, _ in output.prompt_tokens(prompt_ids, first.event)]
 
 
 def _full_text(body: GenerateRequest, text: str) -> str:
     return body.inputs + text if body.parameters.return_full_text else text
 
 
-def build_tgi_router(state: ServerState) -> APIRouter:
-    router = APIRouter()
+@router.post("/generate", response_model=GenerateResponse)
+async def generate(body: GenerateRequest, request: Request, state: ServerState = Depends(server_state)) -> JSONResponse:
+    streams, prompt_ids, validation_s = await _start(state, body)
+    p = body.parameters
+    collected = await collect_all(streams, request)
+    if any(not outputs or not outputs[-1].last for outputs in collected):
+        raise GenerationError("generation ended without a result")
+    answers = [_sequence(body, stream, outputs, prompt_ids) for stream, outputs in zip(streams, collected)]
+    # best_of: the likeliest sequence answers (the sum of its tokens' log-probabilities), the others follow
+    order = sorted(range(len(answers)), key=lambda i: -sum(t.logprob for t in answers[i].tokens))
+    best = answers[order[0]]
+    details = None
+    if p.details:
+        details = Details(**best.model_dump(exclude={"generated_text"}),
+                          best_of_sequences=[answers[i] for i in order[1:]] if len(answers) > 1 else None)
+    response = GenerateResponse(generated_text=best.generated_text, details=details)
+    # a NaN or infinite log-probability is null, as in every streamed frame
+    return FiniteJSONResponse(response.model_dump(), headers=streams[order[0]].timing_headers(validation_s))
 
-    async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
-        streams, prompt_ids, validation_s = await _start(state, body)
-        p = body.parameters
-        collected = await collect_all(streams, request)
-        if any(not events or events[-1].finish is None for events in collected):
-            raise GenerationError("generation ended without a result")
-        answers = []
-        for stream, events in zip(streams, collected):
-            answers.append(BestOfSequence(
-                generated_text=_full_text(body, stream.text), finish_reason=events[-1].finish,
-                generated_tokens=stream.num_tokens, seed=stream.seed,
-                prefill=_prefill(state, prompt_ids, events[0]) if p.decoder_input_details else [],
-                tokens=[_token(e) for e in events],
-                top_tokens=[_top_tokens(state, e) for e in events] if p.top_n_tokens else None))
-        # best_of: the likeliest sequence answers (the sum of its tokens' log-probabilities), the others follow
-        order = sorted(range(len(answers)), key=lambda i: -sum(t.logprob for t in answers[i].tokens))
-        best = answers[order[0]]
-        details = None
-        if p.details:
-            details = Details(**best.model_dump(exclude={"generated_text"}),
-                              best_of_sequences=[answers[i] for i in order[1:]] if len(answers) > 1 else None)
-        response = GenerateResponse(generated_text=best.generated_text, details=details)
-        # a NaN or infinite log-probability is null, as in every streamed frame
-        return FiniteJSONResponse(response.model_dump(), headers=streams[order[0]].timing_headers(validation_s))
 
-    async def generate_stream(body: GenerateRequest) -> StreamingResponse:
-        p = body.parameters
-        if p.decoder_input_details:
-            raise InputValidationError("decoder_input_details == true is not supported when streaming tokens",
-                                       param="decoder_input_details")
-        if (p.best_of or 1) > 1:
-            raise InputValidationError("best_of > 1 is not supported when streaming tokens", param="best_of")
-        (stream,), _, _ = await _start(state, body)
+def _sequence(body: GenerateRequest, stream: RequestStream, outputs: list[TokenOutput], prompt_ids) -> BestOfSequence:
+    p, output = body.parameters, stream.output
+    return BestOfSequence(
+        generated_text=_full_text(body, stream.text), finish_reason=outputs[-1].finish,
+        generated_tokens=stream.num_tokens, seed=stream.seed,
+        prefill=_prefill(output, prompt_ids, outputs[0]) if p.decoder_input_details else [],
+        tokens=[_tokens(output, o) for o in outputs],
+        top_tokens=[_top_tokens(output, o) for o in outputs] if p.top_n_tokens else None)
 
-        async def sse() -> AsyncIterator[str]:
-            index = 0
-            try:
-                async for event in stream.events():
-                    index += 1
-                    text = details = None
-                    if event.finish is not None:
-                        # The last event also carries the whole text and the details.
-                        text = _full_text(body, stream.text)
-                        details = StreamDetails(finish_reason=event.finish, generated_tokens=stream.num_tokens,
-                                                seed=stream.seed)
-                    top = _top_tokens(state, event) if body.parameters.top_n_tokens else None
-                    event_out = StreamResponse(index=index, token=_token(event), top_tokens=top, generated_text=text,
-                                               details=details)
-                    yield f"data: {event_out.model_dump_json()}\n\n"
-            except GenerationError as e:
-                yield f"data: {json.dumps(error_body(e, '/generate_stream'))}\n\n"
 
-        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+@router.post("/generate_stream")
+async def generate_stream(body: GenerateRequest, state: ServerState = Depends(server_state)) -> StreamingResponse:
+    p = body.parameters
+    if p.decoder_input_details:
+        raise InputValidationError("decoder_input_details == true is not supported when streaming tokens",
+                                   param="decoder_input_details")
+    if (p.best_of or 1) > 1:
+        raise InputValidationError("best_of > 1 is not supported when streaming tokens", param="best_of")
+    (stream,), _, _ = await _start(state, body)
 
-    router.add_api_route("/generate", generate, methods=["POST"], response_model=GenerateResponse)
-    router.add_api_route("/generate_stream", generate_stream, methods=["POST"])
+    async def frames() -> AsyncIterator[str]:
+        index = 0
+        try:
+            async for out in stream.events():
+                index += 1
+                text = details = None
+                if out.last:  # the last frame also carries the whole text and the details
+                    text = _full_text(body, stream.text)
+                    details = StreamDetails(finish_reason=out.finish, generated_tokens=stream.num_tokens,
+                                            seed=stream.seed)
+                top = _top_tokens(stream.output, out) if p.top_n_tokens else None
+                yield sse(StreamResponse(index=index, token=_tokens(stream.output, out), top_tokens=top,
+                                         generated_text=text, details=details))
+        except GenerationError as e:
+            yield sse_error(e, "/generate_stream")
 
-    @router.post("/")
-    async def compat_generate(body: CompatGenerateRequest, request: Request):
-        """TGI's compat route: ``/generate``, answered as a list of one response as TGI answers it
-        (its ``text-generation`` client reads ``[0]``), or with ``"stream": true`` ``/generate_stream``."""
-        plain = GenerateRequest(inputs=body.inputs, parameters=body.parameters)
-        if body.stream:
-            return await generate_stream(plain)
-        response = await generate(plain, request)
-        return FiniteJSONResponse([json.loads(response.body)], headers={
-            k: v for k, v in response.headers.items() if k.lower().startswith("x-")})
+    return StreamingResponse(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    return router
+
+@router.post("/")
+async def compat_generate(body: CompatGenerateRequest, request: Request, state: ServerState = Depends(server_state)):
+    """TGI's compat route: ``/generate``, answered as a list of one response as TGI answers it
+    (its ``text-generation`` client reads ``[0]``), or with ``"stream": true`` ``/generate_stream``."""
+    plain = GenerateRequest(inputs=body.inputs, parameters=body.parameters)
+    if body.stream:
+        return await generate_stream(plain, state)
+    response = await generate(plain, request, state)
+    return FiniteJSONResponse([json.loads(response.body)], headers={
+        k: v for k, v in response.headers.items() if k.lower().startswith("x-")})
