@@ -237,6 +237,7 @@ def load_dcp(model_dir: str):
     from loaders.checkpoint import load_config
     from loaders.skeleton import build_skeleton
     from shard_engine import HSDPInferenceConfig, apply_hsdp_to_model
+    from shard_engine.torch_private import set_buffer
 
     model = build_skeleton(load_config(model_dir), AutoModelForCausalLM, torch.bfloat16)
     buffers = dict(model.named_buffers())  # real; to_empty would wipe the non-persistent ones
@@ -244,7 +245,7 @@ def load_dcp(model_dir: str):
     model.to_empty(device="cpu")
     for name, buf in buffers.items():
         module_name, _, attr = name.rpartition(".")
-        model.get_submodule(module_name)._buffers[attr] = buf
+        set_buffer(model.get_submodule(module_name), attr, buf)
     state_dict = model.state_dict()  # DTensors over this rank's shards: DCP writes into them in place
     dcp.load(state_dict, storage_reader=dcp.HuggingFaceStorageReader(model_dir))
     requested = sum(
@@ -257,7 +258,7 @@ def checksum_local_shards(model) -> float:
     from torch.distributed.tensor import DTensor
 
     return sum(
-        (p._local_tensor if isinstance(p, DTensor) else p).double().sum().item() for p in model.parameters()
+        (p.to_local() if isinstance(p, DTensor) else p).double().sum().item() for p in model.parameters()
     )
 
 

@@ -137,11 +137,12 @@ def time_all_gather(nbytes: int, repeats: int) -> dict:
 
 def _reset_all_gather(model) -> None:
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    from shard_engine.torch_private import default_all_gather
 
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
-            unit.set_custom_all_gather(DefaultAllGather())
+            unit.set_custom_all_gather(default_all_gather())
 
 
 def gathered_bytes(model) -> int:

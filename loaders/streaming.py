@@ -47,6 +47,7 @@ from shard_engine import (
     select_units,
     shard_hsdp_module,
 )
+from shard_engine.torch_private import set_buffer, set_parameter
 
 logger = logging.getLogger(__name__)
 READ_MODES = ("sliced", "full")
@@ -494,20 +495,18 @@ class _StreamingLoad:
         installed: dict[int, nn.Parameter] = {}  # keeps tied parameters tied
         for fqn, module in owned:
             prefix = f"{fqn}." if fqn else ""
-            for key, old in module._parameters.items():
-                if old is None:
-                    continue
+            for key, old in list(module.named_parameters(recurse=False, remove_duplicate=False)):
                 if id(old) not in installed:
                     name = self.layout.aliases.get(prefix + key, prefix + key)
                     installed[id(old)] = self._as_parameter(name, old, unit.pending[name])
-                module._parameters[key] = installed[id(old)]
-            for key, buf in module._buffers.items():
-                if buf is not None:  # persistent ones were read; the others were built real
-                    module._buffers[key] = unit.pending.get(prefix + key, buf).to(self.context.target_device)
+                set_parameter(module, key, installed[id(old)])
+            for key, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+                # persistent ones were read; the others were built real
+                set_buffer(module, key, unit.pending.get(prefix + key, buf).to(self.context.target_device))
 
     def _as_parameter(self, name: str, old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
         if isinstance(old, DTensor):
-            local_shape = tuple(old._local_tensor.shape)
+            local_shape = tuple(old.to_local().shape)  # a view of the shard (no copy); only its shape is read
             assert local_shape == tuple(data.shape), f"{name}: rows read {tuple(data.shape)} != FSDP shard {local_shape}"
             value = dtensor_like(old, data.to(self.local_device))
         else:

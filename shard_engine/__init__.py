@@ -8,18 +8,16 @@ from shard_engine.overlap import (
     Residency,
     disable_forward_prefetch,
     enable_forward_prefetch,
-    fsdp_units,
     local_parameter_bytes,
     set_resident_units,
     shared_weights_of,
 )
+from shard_engine.shm import remove_owned_now, sweep_stale
 from shard_engine.shm_all_gather import (
     SharedMemoryAllGather,
     SharedMemoryPool,
     enable_shared_memory_all_gather,
-    remove_owned_now,
     slots_for_depth,
-    sweep_stale,
 )
 from shard_engine.sharding import (
     HSDPShardContext,
@@ -36,6 +34,7 @@ from shard_engine.units import (
     default_shard_conditions,
     detect_decoder_layer_names,
     find_ignored_param_names,
+    fsdp_units,
     select_units,
 )
 

@@ -15,11 +15,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-
-def fsdp_units(model: nn.Module) -> list[FSDPModule]:
-    """The FSDP2 units of ``model`` in forward order: the root first, then its units in module
-    order (for Hugging Face decoders: embeddings, decoder layers in order, then any others)."""
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+from shard_engine.shared_weights import share_resident_units
+from shard_engine.torch_private import set_unshard_async
+from shard_engine.units import fsdp_units, unit_gathered_bytes
 
 
 def enable_forward_prefetch(model: nn.Module, *, depth: int = 2, async_collectives: bool | None = None) -> int:
@@ -46,7 +44,7 @@ def enable_forward_prefetch(model: nn.Module, *, depth: int = 2, async_collectiv
         unit.set_modules_to_forward_prefetch(following)
         links += len(following)
     for unit in units:
-        unit._set_unshard_async_op(async_collectives)
+        set_unshard_async(unit, async_collectives)
     return links
 
 
@@ -54,7 +52,7 @@ def disable_forward_prefetch(model: nn.Module) -> None:
     """Undo :func:`enable_forward_prefetch`: each unit gathers its parameters in its own pre-forward."""
     for unit in fsdp_units(model):
         unit.set_modules_to_forward_prefetch([])
-        unit._set_unshard_async_op(False)
+        set_unshard_async(unit, False)
 
 
 @dataclass
@@ -104,8 +102,6 @@ def set_resident_units(model: nn.Module, count: int, *, shared: bool = False,
     several hosts) the copies stay private, as without it, or with ``fallback_private=False`` no
     unit is made resident (the returned Residency then lists none).
     """
-    from shard_engine.shared_weights import share_resident_units
-
     units = fsdp_units(model)
     count = len(units) if count < 0 else min(count, len(units))
     names = {id(m): name for name, m in model.named_modules()}
@@ -152,27 +148,6 @@ def _gathered_extra_bytes(unit: FSDPModule) -> int:
     """Bytes the unit's own sharded parameters take once gathered, beyond the local shards."""
     gathered, local = unit_gathered_bytes(unit)
     return gathered - local
-
-
-def unit_param_group(unit: FSDPModule):
-    """FSDP2's parameter group of ``unit`` (None for a unit whose parameters are all ignored)."""
-    return unit._get_fsdp_state()._fsdp_param_group
-
-
-def unit_gathered_bytes(unit: FSDPModule) -> tuple[int, int]:
-    """(gathered, local) bytes of the unit's own sharded parameters, in the dtype they are
-    gathered in: mixed precision's param_dtype, else the parameter's own (the attributes FSDP2
-    sets at its lazy init may not exist yet)."""
-    group = unit_param_group(unit)
-    if group is None:
-        return 0, 0
-    gathered = local = 0
-    for fsdp_param in group.fsdp_params:
-        dtype = group.mp_policy.param_dtype or fsdp_param.sharded_param.dtype
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        gathered += fsdp_param._orig_size.numel() * itemsize
-        local += fsdp_param.sharded_size.numel() * itemsize
-    return gathered, local
 
 
 def local_parameter_bytes(model: nn.Module) -> int:

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import (
 )
 
 from shard_engine.config import HSDPInferenceConfig, build_hsdp_mesh
+from shard_engine.torch_private import dtensor_from_local_no_grad, is_gathered
 from shard_engine.units import (
     ShardCondition,
     default_shard_conditions,
@@ -126,9 +127,7 @@ def dtensor_like(template: DTensor, local: torch.Tensor) -> DTensor:
     if local.device.type == template.device_mesh.device_type:
         return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
                                   shape=template.shape, stride=template.stride())
-    from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
-
-    return _from_local_no_grad(local, template._spec)
+    return dtensor_from_local_no_grad(template, local)
 
 
 def _place_ignored(params: set[nn.Parameter], device: torch.device) -> None:
@@ -261,8 +260,7 @@ def hsdp_root_unsharded(model: nn.Module) -> Iterator[None]:
     if not isinstance(model, FSDPModule):
         yield
         return
-    group = model._get_fsdp_state()._fsdp_param_group
-    if group is not None and group.is_unsharded:  # resident: gathered already, and must stay so
+    if is_gathered(model):  # resident: gathered already, and must stay so
         yield
         return
     model.unshard()  # all-gather over the mesh

@@ -28,6 +28,9 @@ in turns in execution order, so a slot is rewritten only after every rank has pa
 barrier of the unit in between, which each enters after finishing the unit before: two slots
 suffice. Per forward each rank copies its shard once, not the whole model. Other units (the
 root, whose forward spans every other unit) keep the gather above.
+
+The files, their directory and the agreement to use them are :mod:`shard_engine.shm`'s; what
+FSDP2 is asked, and how its parameters are rebound to the slots, :mod:`shard_engine.torch_private`'s.
 """
 
 from __future__ import annotations
@@ -38,105 +41,43 @@ import logging
 import math
 import os
 import platform
-import shutil
-import socket
 import time
-import uuid
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGather
 
-from shard_engine import wire
-from shard_engine.overlap import fsdp_units, unit_gathered_bytes, unit_param_group
+import shard_engine.wire as wire
+from shard_engine.shared_weights import param_major_layout, reshard_privately
+from shard_engine.shm import (
+    SLOT_SIZE_ALIGN_BYTES,
+    create_shared_files,
+    disown,
+    is_alive,
+    map_shared,
+    open_shared_directory,
+    own,
+    size_shared_file,
+)
+from shard_engine.torch_private import (
+    AllGather,
+    bind_gathered,
+    copy_tensors,
+    fsdp_params,
+    has_all_gather_extension,
+    is_gathered,
+    is_row_sharded,
+    modules_using,
+    padded_shard,
+    param_group,
+    reshards_after_forward,
+    shard_process_group,
+    shard_rank,
+)
+from shard_engine.units import fsdp_units, unit_gathered_bytes
 
 logger = logging.getLogger(__name__)
-
-SHM_ROOT = "/dev/shm"
-_ALIGN = 1 << 20
-STALE_AFTER_S = 60.0
-"""A directory none of whose ranks is alive, and older than this, is a crashed job's: removed."""
-_OWNED: set[str] = set()  # this process's /dev/shm directories, for remove_owned_now()
-
-
-def own(directory: str) -> None:
-    _OWNED.add(directory)
-
-
-def disown(directory: str) -> None:
-    _OWNED.discard(directory)
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-def remove_owned_now() -> None:
-    """Remove every /dev/shm directory of this process, for exits that skip ``atexit`` (the step
-    watchdog's and the torchrun worker's ``os._exit``). Mapped pages stay valid for whoever maps them."""
-    for directory in list(_OWNED):
-        disown(directory)
-
-
-def sweep_stale(root: str = SHM_ROOT, min_age_s: float = STALE_AFTER_S) -> list[str]:
-    """Remove this user's ``hsdp-*`` directories whose ranks are all gone (each rank leaves a
-    ``pid-N`` file in the directories it uses) and that are older than ``min_age_s``: what a job
-    killed outright (SIGKILL of every rank, a node's agent killed with its workers) left behind.
-    Returns what it removed."""
-    removed = []
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith("hsdp-"):
-            continue
-        path = os.path.join(root, name)
-        try:
-            st = os.lstat(path)
-            if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.getuid():
-                continue
-            if time.time() - st.st_mtime < min_age_s:
-                continue
-            pids = [int(n[4:]) for n in os.listdir(path) if n.startswith("pid-") and n[4:].isdigit()]
-        except OSError:
-            continue
-        if not any(_alive(pid) for pid in pids):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    if removed:
-        logger.info("removed %d stale shared-memory director%s of crashed jobs: %s", len(removed),
-                    "y" if len(removed) == 1 else "ies", ", ".join(removed))
-    return removed
-
-
-def reserve_shared_file(fd: int, nbytes: int, path: str) -> None:
-    """Give a shared file its pages now: a tmpfs that is full fails here with a named error, where
-    a file only sized with ``ftruncate`` raises SIGBUS at the first write past what it can hold
-    (inside a forward). Where the file system cannot reserve (EOPNOTSUPP), it stays sized only."""
-    import errno
-
-    try:
-        os.posix_fallocate(fd, 0, max(nbytes, 1))
-    except OSError as e:
-        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-            return
-        raise OSError(e.errno, f"cannot reserve {nbytes} bytes of shared memory for {path}: {e.strerror} "
-                               f"(is {os.path.dirname(path) or SHM_ROOT} full?)") from None
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs: it exists and is not a zombie (exited, not yet reaped by its parent)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: alive
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True  # no /proc: existing is all we know
 
 
 class SharedMemoryPool:
@@ -144,7 +85,7 @@ class SharedMemoryPool:
 
     def __init__(self, directory: str, slots: int):
         self.directory, self.slots = directory, slots
-        self._buffers: list[torch.Tensor | None] = [None] * slots
+        self._tensors: list[torch.Tensor | None] = [None] * slots
         self._generation = [0] * slots
         self._linked: list[str | None] = [None] * slots  # slot files not yet unlinked
         self.calls = 0
@@ -156,7 +97,7 @@ class SharedMemoryPool:
         slot = self.calls % self.slots
         self.calls += 1
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        current = self._buffers[slot]
+        current = self._tensors[slot]
         if self._linked[slot] is not None:
             # every rank mapped this file before the gather that last used the slot ended (its
             # barrier): the name can go, the pages stay while mapped, so no crash leaves them
@@ -165,16 +106,10 @@ class SharedMemoryPool:
             self._linked[slot] = None
         if current is None or current.numel() < nbytes:
             self._generation[slot] += 1
-            size = math.ceil(nbytes / _ALIGN) * _ALIGN
+            size = math.ceil(nbytes / SLOT_SIZE_ALIGN_BYTES) * SLOT_SIZE_ALIGN_BYTES
             path = os.path.join(self.directory, f"slot{slot}-{self._generation[slot]}")
-            # the directory is this group's own (created exclusively, 0700): no link to follow
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-            try:
-                os.ftruncate(fd, size)  # every rank sets the same size: order does not matter
-                reserve_shared_file(fd, size, path)
-            finally:
-                os.close(fd)
-            self._buffers[slot] = current = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            size_shared_file(path, size)  # every rank, the same size
+            self._tensors[slot] = current = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
             self._linked[slot] = path
         return current[:nbytes].view(dtype)
 
@@ -185,20 +120,20 @@ class SharedMemoryPool:
             if path is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-        self._buffers = [None] * self.slots
+        self._tensors = [None] * self.slots
         self._linked = [None] * self.slots
 
     @property
     def nbytes(self) -> int:
         """Shared memory the ring maps now (every rank of the host maps the same pages)."""
         ring = self.unit_ring.nbytes if self.unit_ring is not None else 0
-        return sum(b.numel() for b in self._buffers if b is not None) + ring
+        return sum(b.numel() for b in self._tensors if b is not None) + ring
 
     def close(self) -> None:
         if self.unit_ring is not None:
             self.unit_ring.release()
             self.unit_ring = None
-        self._buffers = [None] * self.slots
+        self._tensors = [None] * self.slots
         disown(self.directory)
         atexit.unregister(self.close)
 
@@ -234,10 +169,6 @@ class UnitRing:
 
     def __init__(self, model: nn.Module, units: list, directory: str, group: dist.ProcessGroup, leader: int,
                  timeout_s: float = 600.0):
-        import mmap
-
-        from shard_engine.shared_weights import param_major_layout
-
         self.units, self.group = units, group
         self._layouts: dict[int, list] = {}  # id(unit) -> [(fsdp_param, offset, numel, dtype)]
         size = 0
@@ -248,27 +179,10 @@ class UnitRing:
         world = dist.get_world_size(group)
         files = [(os.path.join(directory, f"unit-slot{i}"), self.slot_bytes) for i in range(self.SLOTS)]
         files.append((os.path.join(directory, "unit-counters"), _COUNTER_STRIDE * 8 * world))
-        problem = None
-        if dist.get_rank() == leader:
-            try:
-                for path, nbytes in files:
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                    try:
-                        os.posix_fallocate(fd, 0, nbytes)  # ENOSPC now, not SIGBUS mid-forward
-                    finally:
-                        os.close(fd)
-            except OSError as e:
-                problem = f"cannot create the unit slots: {e}"
-        verdict = wire.broadcast(problem, src=leader, group=group)
+        verdict = create_shared_files(files, group, leader)  # ENOSPC now, not SIGBUS mid-forward
         if verdict is not None:
-            raise OSError(verdict)
-        maps = []
-        for path, nbytes in files:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-            try:
-                maps.append(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
-            finally:
-                os.close(fd)
+            raise OSError(f"cannot create the unit slots: {verdict}")
+        maps = [map_shared(path, nbytes) for path, nbytes in files]
         dist.barrier(group=group)  # every rank has mapped them all: the names can go
         if dist.get_rank() == leader:
             for path, _ in files:
@@ -292,19 +206,18 @@ class UnitRing:
     def nbytes(self) -> int:
         return self.SLOTS * self.slot_bytes if self._maps else 0
 
+    def slot(self, index: int) -> torch.Tensor:
+        """The bytes of slot ``index`` (uint8), for a look at where the gathered parameters live."""
+        return torch.frombuffer(self._maps[index], dtype=torch.uint8)
+
     def _bind(self, unit, slot: int) -> None:
         """Make ``unit``'s gathered parameters views of ``slot``."""
-        from shard_engine.shared_weights import _bind_unsharded
-
         rows, shards = [], []
         for fsdp_param, offset, numel, dtype in self._layouts[id(unit)]:
             whole = torch.frombuffer(self._maps[slot], dtype=dtype, count=numel, offset=offset)
-            fsdp_param.all_gather_outputs = [whole]  # FSDP2 allocates none while one is set
-            if hasattr(fsdp_param, "_unsharded_param"):
-                _bind_unsharded(fsdp_param, whole)
-            shard = fsdp_param._sharded_param_data
-            rank = fsdp_param.mesh_info.shard_mesh_rank
-            rows.append(whole.narrow(0, rank * shard.numel(), shard.numel()))  # its padded rows
+            bind_gathered(fsdp_param, whole)  # FSDP2 allocates none while one is set
+            shard = padded_shard(fsdp_param)
+            rows.append(whole.narrow(0, shard_rank(fsdp_param) * shard.numel(), shard.numel()))  # its padded rows
             shards.append(shard)
         self._bound[id(unit)], self._copies[id(unit)] = slot, (rows, shards)
 
@@ -318,15 +231,13 @@ class UnitRing:
             if self._bound[id(unit)] != slot:  # an order that differs from the last forward's
                 self._bind(unit, slot)
             rows, shards = self._copies[id(unit)]
-            torch._foreach_copy_(rows, shards)
+            copy_tensors(rows, shards)
             self._barrier()  # every rank's rows are in: the slot holds the unit
 
         return fill
 
     def release(self) -> None:
         """Private gathered memory for the units again, resharded; the slots unmapped."""
-        from shard_engine.shared_weights import reshard_privately
-
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -384,7 +295,7 @@ class CounterBarrier:
                     started, check_at = now, now + self.LIVENESS_CHECK_S
                 elif now > check_at:
                     check_at = now + self.LIVENESS_CHECK_S
-                    if not _alive(pid):
+                    if not is_alive(pid):
                         raise PeerGone(f"rank {rank} of the shard group (pid {pid}) exited while the others "
                                        "waited for it at a unit barrier")
                     if now - started > self.timeout_s:
@@ -405,15 +316,14 @@ def ring_units(model: nn.Module) -> list:
     units = fsdp_units(model)
     chosen = []
     for unit in units:
-        group = unit_param_group(unit)
-        if group is None or group.is_unsharded or not group._reshard_after_forward:
+        if param_group(unit) is None or is_gathered(unit) or not reshards_after_forward(unit):
             continue
         inside = {id(m) for m in unit.modules()}
         if any(id(other) in inside for other in units if other is not unit):
             continue
-        if all(p.fsdp_placement.dim == 0 and not hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather")
-               and all(id(m) in inside for m in (p._module_info.module, *p._module_info.shared_modules))
-               for p in group.fsdp_params):
+        if all(is_row_sharded(p) and not has_all_gather_extension(p)
+               and all(id(m) in inside for m in modules_using(p))
+               for p in fsdp_params(unit)):
             chosen.append(unit)
     return chosen
 
@@ -435,8 +345,7 @@ def enable_shared_memory_all_gather(model: nn.Module, *, slots: int = 5, run_id:
     Collective over the default group: every rank must call it, in the same place.
     """
     units = fsdp_units(model)
-    shard_groups = [g.mesh_info.shard_process_group for g in map(unit_param_group, units) if g is not None]
-    groups = {id(g): g for g in shard_groups}
+    groups = {id(g): g for g in (shard_process_group(u) for u in units if param_group(u) is not None)}
     param = next(model.parameters(), None)
     reason = None
     if not units or len(groups) != 1:
@@ -447,13 +356,9 @@ def enable_shared_memory_all_gather(model: nn.Module, *, slots: int = 5, run_id:
     largest = max((unit_gathered_bytes(u)[0] for u in units), default=0)
     # the gather ring, and the leaf units' two slots
     need = min_free_bytes if min_free_bytes is not None else 2 * slots * largest + UnitRing.SLOTS * largest
-    token = wire.broadcast(job_token(run_id), src=0)  # one name for the whole run
-    directory = None
-    if reason is None:
-        ranks = dist.get_process_group_ranks(group)
-        directory = os.path.join(SHM_ROOT, f"hsdp-{token}-g{ranks[0]}")
-        reason = _probe(directory, group, ranks, need)
-    if not agree_on_shared_memory(reason, directory, "all-gathers stay on the process group"):
+    directory = open_shared_directory(group, "g", need, reason=reason, run_id=run_id,
+                                      fallback="all-gathers stay on the process group")
+    if directory is None:
         return None
     pool = SharedMemoryPool(directory, slots)
     comm = SharedMemoryAllGather(pool)
@@ -461,80 +366,9 @@ def enable_shared_memory_all_gather(model: nn.Module, *, slots: int = 5, run_id:
         unit.set_custom_all_gather(comm)
     leaves = ring_units(model) if unit_ring else []
     if leaves:
-        pool.unit_ring = UnitRing(model, leaves, directory, group, leader=ranks[0], timeout_s=timeout_s)
+        leader = dist.get_process_group_ranks(group)[0]
+        pool.unit_ring = UnitRing(model, leaves, directory, group, leader=leader, timeout_s=timeout_s)
         model._hsdp_unit_ring = pool.unit_ring
         dist.barrier(group=group)  # every rank is past the ring's first gathers, which grew the buffers
         pool.trim()  # to the leaf units' size: from now on they serve the other units only
     return pool
-
-
-def job_token(run_id: str | None = None) -> str:
-    """This job's part of its /dev/shm names: the run id (the launcher's sweep removes
-    ``hsdp-{run_id}-*``) and a random part, so that two jobs sharing a run id (torchrun's static
-    rendezvous names every run ``none``) never share a file. Rank 0's is broadcast by the callers."""
-    run_id = run_id or os.environ.get("TORCHELASTIC_RUN_ID") or "local"
-    return f"{run_id}-{uuid.uuid4().hex[:12]}"
-
-
-def agree_on_shared_memory(reason: str | None, directory: str | None, fallback: str) -> bool:
-    """True when no rank of the job has a ``reason`` against sharing memory; else every rank
-    removes ``directory`` (if it got that far), logs ``fallback: the first reason`` and gets False.
-    Collective over the default group."""
-    verdicts = wire.all_gather(reason)
-    failed = next((v for v in verdicts if v is not None), None)
-    if failed is None:
-        return True
-    if directory is not None:
-        shutil.rmtree(directory, ignore_errors=True)
-    logger.info("%s: %s", fallback, failed)
-    return False
-
-
-def cleanup_run(run_id: str) -> None:
-    """Remove what a run's ranks left under /dev/shm (for a launcher, after its ranks ended)."""
-    prefix = f"hsdp-{run_id}-"  # the gather rings (-g) and the shared resident weights (-w)
-    try:
-        names = os.listdir(SHM_ROOT)
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(prefix):
-            shutil.rmtree(os.path.join(SHM_ROOT, name), ignore_errors=True)
-
-
-def _probe(directory: str, group: dist.ProcessGroup, ranks: list[int], need_bytes: int) -> str | None:
-    """None if every rank of ``group`` sees the bytes the group's first rank writes, else why not.
-    Ranks of different nodes (hosts, or torchrun's nodes: ``GROUP_RANK``) never share memory, even
-    where two nodes run on one host and would see the same /dev/shm."""
-    nodes = wire.all_gather(f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}", group=group)
-    if len(set(nodes)) > 1:
-        return f"the shard group spans {len(set(nodes))} nodes"
-    me = dist.get_rank()
-    path = os.path.join(directory, "probe")
-    stamp = wire.broadcast(uuid.uuid4().bytes, src=ranks[0], group=group)
-    problem = None
-    try:
-        if me == ranks[0]:
-            sweep_stale()
-            os.mkdir(directory, mode=0o700)  # exclusively: an existing one (or a link) is refused
-            stat = os.statvfs(directory)
-            if stat.f_bavail * stat.f_frsize < need_bytes:
-                problem = f"{SHM_ROOT} has {stat.f_bavail * stat.f_frsize >> 20} MiB free, {need_bytes >> 20} needed"
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(stamp)
-    except OSError as e:
-        problem = f"cannot write {path}: {e}"
-    dist.barrier(group=group)
-    with contextlib.suppress(OSError):  # whose directory this is, for sweep_stale of a crashed job
-        os.close(os.open(os.path.join(directory, f"pid-{os.getpid()}"),
-                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
-    if problem is None and me != ranks[0]:
-        try:
-            with open(path, "rb") as f:
-                if f.read() != stamp:
-                    problem = f"{path} differs between ranks"
-        except OSError:
-            problem = f"rank {me} does not see {path}: another host or another /dev/shm"
-    dist.barrier(group=group)
-    return problem

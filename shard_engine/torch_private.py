@@ -1,19 +1,307 @@
-"""Every use of torch's private API in the product, in one place (checked on torch 2.11-2.13).
+"""Every use of torch's private API in the product, in one place.
 
 FSDP2 and torch.distributed expose no public way to do what hsdp-serve needs for inference:
 bind a parameter's gathered storage or its shard to a tensor of our own (shared memory), read a
-unit's param group, wrap a local tensor as a DTensor without autograd, reach the default group's
-store, or make the elastic rendezvous's store listen on loopback. Each need is one function
-here, named for what it does; nothing else in the tree names a private attribute. A torch that
-renames one fails :func:`check` (run by ``tests/test_torch_private.py`` and at import of the
-functions that need it) with the name that changed, instead of deep inside a forward.
+unit's param group and the shape of its parameters, issue a unit's all-gathers asynchronously,
+subclass the all-gather comm, wrap a local tensor as a DTensor without autograd or a device move,
+replace a module's parameters as FSDP2 itself does, reach the default group's store, or make the
+elastic rendezvous's store listen on loopback. Each need is one function here, named for what it
+does; nothing else in the tree names a private torch attribute or module
+(``tests/test_torch_private.py`` scans for the names of :data:`RELIED_ON`), and nothing else
+reads the attributes of FSDP2's private classes (``FSDPParam``, ``FSDPParamGroup``), public ones
+included: this module alone knows their shape.
+
+Checked on torch 2.13.0 (this project's CPU build). pyproject.toml allows torch >=2.8,<2.15;
+other versions in that range are not verified here: :func:`check` is. It verifies that every
+name of :data:`RELIED_ON` exists on the running torch (on a 1-rank FSDP2 unit it builds) and
+raises one error naming each one missing and the torch version, instead of an AttributeError
+deep inside a forward. ``tests/test_torch_private.py`` runs it. The one override that would fail
+silently (the rendezvous store's, which would then listen on every interface) checks its own
+name each time it is used.
 """
 
 from __future__ import annotations
 
+import datetime
+import importlib
+from collections.abc import Callable, Sequence
+
+import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGather, DefaultAllGather
+from torch.distributed.tensor import DTensor
+
+RELIED_ON: dict[str, tuple[str, ...]] = {
+    # torch modules (dotted): the names taken from them
+    "torch": ("_foreach_copy_",),
+    "torch.distributed.distributed_c10d": ("_get_default_store",),
+    "torch.distributed.fsdp._fully_shard._fsdp_common": ("_from_local_no_grad",),
+    "torch.distributed.fsdp._fully_shard._fsdp_collectives": ("AllGather", "DefaultAllGather"),
+    # torch classes (dotted): methods called or overridden
+    "torch.distributed.elastic.rendezvous.dynamic_rendezvous.DynamicRendezvousHandler": (
+        "_create_tcp_store_server",),
+    "torch.distributed.fsdp.FSDPModule": ("_get_fsdp_state", "_set_unshard_async_op"),
+    # the objects of a gathered FSDP2 unit: attributes read or written (set at init or lazily)
+    "FSDPState": ("_fsdp_param_group",),
+    "FSDPParamGroup": ("_reshard_after_forward", "fsdp_params", "is_unsharded", "lazy_init", "device"),
+    "FSDPParam": ("_sharded_param_data", "_sharded_local_tensor", "_unsharded_param", "_orig_size",
+                  "_contiguous_orig_stride", "_module_info", "all_gather_outputs", "sharded_param",
+                  "sharded_size", "padded_sharded_param_size", "fsdp_placement", "mesh_info", "mp_policy"),
+    "ParamModuleInfo": ("module", "shared_modules"),
+    "FSDPMeshInfo": ("shard_process_group", "shard_mesh_rank", "shard_mesh_size"),
+    "DTensor": ("_local_tensor", "_spec"),
+    "Module": ("_parameters", "_buffers"),
+}
+"""What this module relies on, owner -> names; :func:`check` looks each one up."""
+
+
+# FSDP2 units (FSDPModule) and their param groups
+
+
+def param_group(unit: FSDPModule):
+    """FSDP2's parameter group of ``unit`` (None for a unit whose parameters are all ignored)."""
+    return unit._get_fsdp_state()._fsdp_param_group
+
+
+def fsdp_params(unit: FSDPModule) -> list:
+    """The unit's own sharded parameters (FSDP2's ``FSDPParam``s); none where all are ignored."""
+    group = param_group(unit)
+    return [] if group is None else list(group.fsdp_params)
+
+
+def is_gathered(unit: FSDPModule) -> bool:
+    """Whether the unit's own sharded parameters are gathered now (False where it has none)."""
+    group = param_group(unit)
+    return group is not None and group.is_unsharded
+
+
+def reshards_after_forward(unit: FSDPModule) -> bool:
+    """Whether the unit frees its gathered parameters after its forward (the unit has some)."""
+    return param_group(unit)._reshard_after_forward
+
+
+def shard_process_group(unit: FSDPModule) -> dist.ProcessGroup:
+    """The process group the unit's parameters are sharded over (its all-gathers run on it)."""
+    return param_group(unit).mesh_info.shard_process_group
+
+
+def compute_device(unit: FSDPModule) -> torch.device:
+    """The device the unit gathers onto and computes on."""
+    return param_group(unit).device
+
+
+def shard_world_size(unit: FSDPModule) -> int:
+    """How many ranks the unit's parameters are sharded over."""
+    return param_group(unit).mesh_info.shard_mesh_size
+
+
+def finish_lazy_init(unit: FSDPModule) -> None:
+    """Run FSDP2's lazy init of the unit's group now (idempotent): it adopts replaced sharded
+    parameters and settles the mixed-precision dtypes."""
+    param_group(unit).lazy_init()
+
+
+def set_unshard_async(unit: FSDPModule, async_op: bool) -> None:
+    """Issue the all-gathers of ``unit`` and the units inside it with ``async_op``."""
+    unit._set_unshard_async_op(async_op)
+
+
+def default_all_gather() -> AllGather:
+    """FSDP2's own all-gather comm, for ``set_custom_all_gather`` to go back to it."""
+    return DefaultAllGather()
+
+
+# one sharded parameter (FSDPParam)
+
+
+def gathered_numel(fsdp_param) -> int:
+    """Elements of the whole parameter, without FSDP2's padding."""
+    return fsdp_param._orig_size.numel()
+
+
+def local_numel(fsdp_param) -> int:
+    """Elements of this rank's shard, without FSDP2's padding."""
+    return fsdp_param.sharded_size.numel()
+
+
+def gathered_dtype(fsdp_param) -> torch.dtype:
+    """The dtype FSDP2 gathers the parameter in: mixed precision's ``param_dtype`` for a floating
+    parameter, else its own (FSDP2's lazy init settles it so; known before it too)."""
+    own, wanted = fsdp_param.sharded_param.dtype, fsdp_param.mp_policy.param_dtype
+    return wanted if wanted is not None and own.is_floating_point else own
+
+
+def padded_shard(fsdp_param) -> torch.Tensor:
+    """This rank's shard as FSDP2 keeps it: flat, padded to the chunk every rank has."""
+    return fsdp_param._sharded_param_data
+
+
+def local_shard(fsdp_param) -> torch.Tensor:
+    """This rank's shard as the module's DTensor holds it: unpadded, a view of :func:`padded_shard`."""
+    return fsdp_param.sharded_param._local_tensor
+
+
+def shard_rank(fsdp_param) -> int:
+    """This rank's index among the ranks the parameter is sharded over."""
+    return fsdp_param.mesh_info.shard_mesh_rank
+
+
+def is_row_sharded(fsdp_param) -> bool:
+    """Whether the parameter is sharded along dim 0 (``Shard(0)``: each rank's rows contiguous)."""
+    return fsdp_param.fsdp_placement.dim == 0
+
+
+def has_all_gather_extension(fsdp_param) -> bool:
+    """Whether the local shard chooses what is gathered (``fsdp_pre_all_gather``: a tensor subclass)."""
+    return hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather")
+
+
+def modules_using(fsdp_param) -> tuple[nn.Module, ...]:
+    """The modules that register the parameter: its own, then those it is shared (tied) with."""
+    info = fsdp_param._module_info
+    return (info.module, *info.shared_modules)
+
+
+def gathered_output(fsdp_param) -> torch.Tensor:
+    """The tensor FSDP2 copies the gathered parameter out into (padded, flat)."""
+    return fsdp_param.all_gather_outputs[0]
+
+
+def bind_gathered(fsdp_param, whole: torch.Tensor) -> None:
+    """Make ``whole`` (flat, padded as FSDP2 gathers the parameter) the tensor FSDP2 copies the
+    gathered parameter out into, and the unsharded parameter a view of it. FSDP2 allocates none
+    while one of the right size is set; before the unit's first gather there is no unsharded
+    parameter yet, and FSDP2 makes it a view of ``whole`` then."""
+    fsdp_param.all_gather_outputs = [whole]
+    if hasattr(fsdp_param, "_unsharded_param"):  # gathered before: its view is of the old tensor
+        fsdp_param._unsharded_param.data = torch.as_strided(
+            whole, fsdp_param._orig_size, fsdp_param._contiguous_orig_stride, storage_offset=0)
+
+
+def bind_shard(fsdp_param, flat: torch.Tensor) -> None:
+    """Make ``flat`` (the padded shard's elements) this rank's local shard, as FSDP2's own
+    ``reset_sharded_param`` does."""
+    padded = fsdp_param.padded_sharded_param_size
+    length = fsdp_param.sharded_param._local_tensor.size(0)
+    fsdp_param._sharded_param_data = flat
+    fsdp_param.sharded_param._local_tensor = flat.view(padded).narrow(0, 0, length)
+
+
+def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i])`` for every i, in one foreach op."""
+    torch._foreach_copy_(dsts, srcs)
+
+
+# DTensors and modules
+
+
+def dtensor_from_local_no_grad(template: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor over ``local`` with ``template``'s spec, built as FSDP2 builds its shards: no
+    autograd, and ``local`` stays on its device whatever the mesh's."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
+
+    return _from_local_no_grad(local, template._spec)
+
+
+def set_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Put ``param`` in ``module``'s slot ``name`` as it is, without ``nn.Module.__setattr__``'s
+    checks and hooks (FSDP2's own ``unsafe_setattr_param`` does so)."""
+    module._parameters[name] = param
+
+
+def set_buffer(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put ``tensor`` in ``module``'s existing buffer slot ``name``, its persistence kept."""
+    module._buffers[name] = tensor
+
+
+# process groups and the elastic rendezvous
 
 
 def default_store():
     """The default process group's store (rank 0's TCPStore under torchrun and the launcher)."""
     return dist.distributed_c10d._get_default_store()
+
+
+def loopback_rendezvous_handler(params, store, backend, *, local_addr: str, timeout,
+                                store_server: Callable[[], dist.TCPStore]):
+    """torch's c10d dynamic rendezvous handler (``DynamicRendezvousHandler.from_backend`` over
+    ``params``' run id and node counts) whose store for the ranks is ``store_server()`` instead
+    of the TCPStore torch would create, listening on every interface."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    if not hasattr(DynamicRendezvousHandler, "_create_tcp_store_server"):  # else ignored, silently
+        raise RuntimeError(f"torch {torch.__version__}: DynamicRendezvousHandler._create_tcp_store_server "
+                           "is gone; the ranks' store cannot be kept on loopback")
+
+    class LoopbackRendezvousHandler(DynamicRendezvousHandler):
+        def _create_tcp_store_server(self, master_addr, master_port):
+            return store_server()
+
+    return LoopbackRendezvousHandler.from_backend(
+        params.run_id, store, backend, params.min_nodes, params.max_nodes, local_addr, timeout)
+
+
+# check()
+
+
+def check() -> None:
+    """Raise RuntimeError naming every name of :data:`RELIED_ON` that this torch lacks, and the
+    torch version. Builds one tiny FSDP2 unit on the CPU and gathers it once, over a 1-rank gloo
+    group of its own where no process group is initialised, else over the default one, which
+    must have one rank (ValueError otherwise)."""
+    missing = [f"{owner}.{name}" for owner, obj in _torch_objects().items()
+               for name in RELIED_ON[owner] if obj is None or not hasattr(obj, name)]
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))
+    elif dist.get_world_size() != 1:
+        raise ValueError("check() gathers a 1-rank unit: call it with no process group, or a 1-rank one")
+    try:
+        missing += _missing_on_unit()
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    if missing:
+        raise RuntimeError(f"torch {torch.__version__} lacks what shard_engine.torch_private relies on "
+                           f"(checked on torch 2.13): {', '.join(missing)}")
+
+
+def _torch_objects() -> dict[str, object]:
+    """The dotted owners of :data:`RELIED_ON` (modules, or classes in them), None where absent."""
+    found = {}
+    for owner in filter(lambda o: "." in o or o == "torch", RELIED_ON):
+        try:
+            found[owner] = importlib.import_module(owner)
+        except ImportError:
+            module, _, name = owner.rpartition(".")
+            try:
+                found[owner] = getattr(importlib.import_module(module), name, None)
+            except ImportError:
+                found[owner] = None
+    return found
+
+
+def _missing_on_unit() -> list[str]:
+    """The names of :data:`RELIED_ON` that a gathered 1-rank unit's objects lack."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    try:
+        model = nn.Sequential(nn.Linear(4, 4))
+        mesh = init_device_mesh("cpu", (1,))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        unit = model[0]
+        unit.unshard()  # the unsharded parameter exists once gathered
+        fsdp_param = fsdp_params(unit)[0]
+        objects = {"FSDPState": unit._get_fsdp_state(), "FSDPParamGroup": param_group(unit),
+                   "FSDPParam": fsdp_param, "ParamModuleInfo": fsdp_param._module_info,
+                   "FSDPMeshInfo": fsdp_param.mesh_info, "DTensor": fsdp_param.sharded_param, "Module": unit}
+        unit.reshard()
+    except Exception as e:  # noqa: BLE001 - a renamed attribute stops the build: that is the finding
+        return [f"a 1-rank FSDP2 unit ({type(e).__name__}: {e})"]
+    return [f"{owner}.{name}" for owner, obj in objects.items() for name in RELIED_ON[owner]
+            if not hasattr(obj, name)]

@@ -1,4 +1,5 @@
-"""Which modules become FSDP units, and which parameters stay out of FSDP.
+"""Which modules become FSDP units, and which parameters stay out of FSDP; once sharded, the
+units in forward order and what each one's parameters take gathered.
 
 Model-agnostic: works from what a transformers model declares (``_no_split_modules``,
 ``get_input_embeddings``) or, failing that, from the module tree's shape.
@@ -12,6 +13,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from shard_engine.torch_private import fsdp_params, gathered_dtype, gathered_numel, local_numel
 
 logger = logging.getLogger(__name__)
 
@@ -125,3 +129,21 @@ def find_ignored_param_names(model: nn.Module) -> set[str]:
         module = model.get_submodule(module_name)
         ignored.update(f"{module_name}.{n}" for n, _ in module.named_parameters())
     return ignored
+
+
+def fsdp_units(model: nn.Module) -> list[FSDPModule]:
+    """The FSDP2 units of ``model`` in forward order: the root first, then its units in module
+    order (for Hugging Face decoders: embeddings, decoder layers in order, then any others)."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def unit_gathered_bytes(unit: FSDPModule) -> tuple[int, int]:
+    """(gathered, local) bytes of the unit's own sharded parameters, in the dtype they are
+    gathered in: mixed precision's param_dtype, else the parameter's own (before FSDP2's lazy
+    init too)."""
+    gathered = local = 0
+    for fsdp_param in fsdp_params(unit):
+        itemsize = gathered_dtype(fsdp_param).itemsize
+        gathered += gathered_numel(fsdp_param) * itemsize
+        local += local_numel(fsdp_param) * itemsize
+    return gathered, local

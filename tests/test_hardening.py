@@ -233,7 +233,7 @@ def test_a_full_shared_memory_is_a_named_error_not_sigbus(tmp_path, monkeypatch)
     import errno
     import os
 
-    from shard_engine import shm_all_gather
+    from shard_engine import shm
 
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -243,7 +243,7 @@ def test_a_full_shared_memory_is_a_named_error_not_sigbus(tmp_path, monkeypatch)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         with pytest.raises(OSError, match="cannot reserve 4096 bytes of shared memory for .*slot0-1"):
-            shm_all_gather.reserve_shared_file(fd, 4096, str(path))
+            shm.reserve_shared_file(fd, 4096, str(path))
     finally:
         os.close(fd)
 

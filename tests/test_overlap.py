@@ -132,9 +132,9 @@ def _unit_ring(rank, world_size, path):
         out["calls"].append((pool.calls - before, gathers["n"]))
     # the ring's parameters are views of its shared slots: one copy of the unit per host
     if ring is not None:
-        unit = ring.units[-1]
-        param = next(unit.parameters())
-        out["param_in_slot"] = param.untyped_storage().nbytes() == param.numel() * param.element_size()
+        params = [p for unit in ring.units for p in unit.parameters()]
+        out["param_in_slot"] = bool(params) and all(_in_slot(ring, p) for p in params)
+        out["private_in_slot"] = _in_slot(ring, torch.empty_like(params[-1]))  # the check can fail
     out["ring_bytes"] = ring.nbytes if ring is not None else 0
     set_resident_units(model, 0)  # releases the ring: the units gather through the pool again
     with torch.no_grad():
@@ -143,6 +143,17 @@ def _unit_ring(rank, world_size, path):
     dist.barrier()
     pool.close()
     return out
+
+
+def _in_slot(ring, param) -> bool:
+    """Whether ``param``'s bytes lie inside one of the ring's slots (its storage is the slot's)."""
+    start = param.data_ptr()
+    end = start + param.numel() * param.element_size()
+    for i in range(ring.SLOTS):
+        slot = ring.slot(i)
+        if slot.data_ptr() <= start and end <= slot.data_ptr() + slot.numel():
+            return True
+    return False
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -162,7 +173,7 @@ def test_unit_ring_gathers_leaf_units_without_a_copy_out(tmp_path, arch):
             assert "model.embed_tokens" in r["ring"], r
         # per forward: a pool gather for each unit outside the ring, none on the process group
         assert r["calls"] == [(len(r["units"]) - len(r["ring"]), 0)] * 3, r
-        assert r["param_in_slot"] and r["ring_bytes"] > 0
+        assert r["param_in_slot"] and not r["private_in_slot"] and r["ring_bytes"] > 0, r
 
 
 def _shared_residency(rank, world_size, path):
@@ -375,7 +386,7 @@ def test_exits_that_skip_atexit_still_remove_this_processes_shared_memory(tmp_pa
     they call remove_owned_now() first, which removes every directory the pools and shared
     weights of this process registered."""
     from shard_engine import remove_owned_now
-    from shard_engine.shm_all_gather import own
+    from shard_engine.shm import own
 
     dirs = [tmp_path / "hsdp-a-g0", tmp_path / "hsdp-a-w0"]
     for d in dirs:

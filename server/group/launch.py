@@ -234,11 +234,9 @@ def _loopback_rendezvous(params):
     """torch's c10d dynamic rendezvous for one node, both of whose stores (the rendezvous's and the
     one the ranks share) listen on 127.0.0.1 only."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
-    class LoopbackRendezvousHandler(DynamicRendezvousHandler):
-        def _create_tcp_store_server(self, master_addr, master_port):
-            return _loopback_tcp_store()
+    from shard_engine.torch_private import loopback_rendezvous_handler
 
     class LoopbackBackend(C10dRendezvousBackend):
         @property
@@ -247,9 +245,8 @@ def _loopback_rendezvous(params):
 
     store = _loopback_tcp_store()
     join = datetime.timedelta(seconds=int(params.get("join_timeout", 600)))
-    return LoopbackRendezvousHandler.from_backend(
-        params.run_id, store, LoopbackBackend(store, params.run_id), params.min_nodes, params.max_nodes,
-        LOOPBACK, RendezvousTimeout(join=join))
+    return loopback_rendezvous_handler(params, store, LoopbackBackend(store, params.run_id), local_addr=LOOPBACK,
+                                       timeout=RendezvousTimeout(join=join), store_server=_loopback_tcp_store)
 
 
 def _register_loopback_rendezvous() -> str:
@@ -314,7 +311,7 @@ def _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, s
                 raise GroupError(f"interrupted by {e.sigval.name}", exit_code=128 + int(e.sigval)) from None
             finally:
                 # shared-memory all-gather buffers of ranks that died before removing them
-                from shard_engine.shm_all_gather import cleanup_run
+                from shard_engine.shm import cleanup_run
 
                 cleanup_run(config.run_id)
     return results[0]

@@ -1,0 +1,97 @@
+"""shard_engine.torch_private: what it relies on exists on this torch, a missing name is named,
+and no other product file reaches torch's private API."""
+
+import ast
+import os
+
+import pytest
+
+from tests.dist import run_ranks, values
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCANNED = ("server", "loaders", "shard_engine", "benchmarks")
+ALLOWED = os.path.join("shard_engine", "torch_private.py")
+
+
+def _check(rank, world_size, remove=None):
+    """check() on a 1-rank gloo group; ``remove``: (dotted class, attribute) taken away first."""
+    import importlib
+
+    from shard_engine.torch_private import check
+
+    if remove is not None:
+        module, _, name = remove[0].rpartition(".")
+        delattr(getattr(importlib.import_module(module), name), remove[1])
+    try:
+        check()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_check_passes_on_this_torch(tmp_path):
+    assert values(run_ranks(_check, 1, tmp_path, timeout=90)) == [None]
+
+
+@pytest.mark.timeout(120)
+def test_a_missing_name_fails_check_naming_it_and_the_torch_version(tmp_path):
+    import torch
+
+    owner = "torch.distributed.elastic.rendezvous.dynamic_rendezvous.DynamicRendezvousHandler"
+    [error] = values(run_ranks(_check, 1, tmp_path, (owner, "_create_tcp_store_server"), timeout=90))
+    assert error is not None and torch.__version__ in error, error
+    assert error.rsplit(": ", 1)[1] == f"{owner}._create_tcp_store_server", error  # that one, and only it
+
+
+def _private_names() -> set[str]:
+    from shard_engine.torch_private import RELIED_ON
+
+    return {name for names in RELIED_ON.values() for name in names if name.startswith("_")}
+
+
+def _is_private_torch_module(dotted: str) -> bool:
+    parts = dotted.split(".")
+    return parts[0] == "torch" and any(p.startswith("_") for p in parts[1:])
+
+
+def _findings(path: str, private: set[str]) -> list[str]:
+    """Where ``path`` names a private torch module or one of ``private`` (attribute, import, override)."""
+    tree = ast.parse(open(path).read(), path)
+    found = []
+    for node in ast.walk(tree):
+        names, modules = [], []
+        if isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = [node.name]
+        elif isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules = [node.module]
+            names = [a.name for a in node.names]
+        found += [f"{path}:{node.lineno}: {n}" for n in names if n in private]
+        found += [f"{path}:{node.lineno}: import {m}" for m in modules if _is_private_torch_module(m)]
+    return found
+
+
+def test_the_scan_sees_a_private_use(tmp_path):
+    path = tmp_path / "sample.py"
+    path.write_text("from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGather\n"
+                    "x = p._local_tensor\n")
+    assert len(_findings(str(path), _private_names())) == 2
+
+
+def test_no_other_product_file_reaches_torch_private_api():
+    private = _private_names()
+    assert {"_local_tensor", "_fsdp_param_group", "_create_tcp_store_server"} <= private
+    found = []
+    for folder in SCANNED:
+        for root, _, files in os.walk(os.path.join(REPO, folder)):
+            for name in files:
+                path = os.path.join(root, name)
+                if name.endswith(".py") and os.path.relpath(path, REPO) != ALLOWED:
+                    found += _findings(path, private)
+    assert not found, "\n".join(found)
