@@ -59,6 +59,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass, field
 
 import torch
 
@@ -373,6 +374,266 @@ def make_engine(model, device: torch.device, kv_blocks: int):
     return RankEngine(model, device, 0, num_blocks=kv_blocks, block_size=BLOCK_SIZE)
 
 
+def _phase_env(p: dict, run: Run) -> None:
+    dry, state = run.dry, run.state
+    p["cuda"] = torch.version.cuda
+    if not dry:
+        props = torch.cuda.get_device_properties(0)
+        p["gpu"] = props.name
+        p["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        p["multiprocessors"] = props.multi_processor_count
+        with contextlib.suppress(Exception):
+            p["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                         capture_output=True, text=True, timeout=20).stdout.strip()
+    p["cpus"] = os.cpu_count()
+    state["device"] = init_world_one("cpu" if dry else "cuda")
+    p["device"] = str(state["device"])
+    p["threads"] = torch.get_num_threads()
+
+
+def _phase_checkpoint(p: dict, run: Run) -> None:
+    dry, state, path = run.dry, run.state, run.path
+    from transformers import AutoModelForCausalLM
+
+    config = llama_config(dry)
+    torch.manual_seed(0)
+    build_on = torch.device("cuda") if not dry else torch.device("cpu")
+    with build_on:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    p["parameters"] = sum(t.numel() for t in model.parameters())
+    model.save_pretrained(path, max_shard_size="1GB")
+    word_tokenizer(config.vocab_size).save_pretrained(path)  # the server needs one
+    del model
+    torch.cuda.empty_cache() if not dry else None
+    files = sorted(pathlib.Path(path).glob("*.safetensors"))
+    p["files"], p["bytes"] = len(files), sum(f.stat().st_size for f in files)
+    state["vocab"] = config.vocab_size
+
+
+def _phase_load(p: dict, run: Run) -> None:
+    dry, dtype, state, device = run.dry, run.dtype, run.state, run.device
+    path = run.path
+    p["page_cache_dropped"] = not dry and drop_page_cache()
+    start = time.perf_counter()
+    loaded = load_ours(path, device, dtype)
+    ours_s = time.perf_counter() - start
+    stats = loaded.stats
+    p["ours_seconds"] = round(ours_s, 3)
+    p["ours_gb_per_s"] = round(stats.checkpoint_bytes / ours_s / 1e9, 2)
+    p["ours_phases"] = {k: round(v, 3) for k, v in stats.phase_seconds.items()}
+    if device.type == "cuda":
+        p["ours_peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+    p["model_bytes"] = sum(t.numel() * t.element_size() for t in loaded.model.parameters())
+    state["ours"] = loaded.model
+    if not dry:
+        drop_page_cache()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    state["reference"] = load_reference(path, device, dtype)
+    ref_s = time.perf_counter() - start
+    p["transformers_seconds"] = round(ref_s, 3)
+    p["transformers_gb_per_s"] = round(stats.checkpoint_bytes / ref_s / 1e9, 2)
+    p["ratio_ours_to_transformers_seconds"] = round(ours_s / ref_s, 3)
+
+
+def _phase_residency(p: dict, run: Run) -> None:
+    kv_bytes, state, device = run.kv_bytes, run.state, run.device
+    from server.engine import KVGeometry, size_kv_pool
+    from shard_engine import set_resident_units
+
+    residency = set_resident_units(state["ours"], -1)
+    p["resident_units"], p["extra_bytes"] = len(residency.units), residency.extra_bytes
+    geometry = KVGeometry.of(state["ours"])
+    p["kv_bytes_per_token"] = geometry.bytes_per_token
+    p["auto_kv_blocks"] = size_kv_pool(None, geometry, BLOCK_SIZE, device)  # what --kv-cache-memory auto takes
+    state["kv_blocks"] = size_kv_pool(kv_bytes, geometry, BLOCK_SIZE, device)
+    p["kv_blocks"] = state["kv_blocks"]
+    state["engine"] = make_engine(state["ours"], device, state["kv_blocks"])
+
+
+def _phase_parity_bf16(p: dict, run: Run) -> None:
+    parity_new, prefill_tokens, state = run.parity_new, run.prefill_tokens, run.state
+    prompts = random_prompts(len(PARITY_PROMPT_LENGTHS), PARITY_PROMPT_LENGTHS, state["vocab"], seed=1)
+    p.update(compare_greedy(state["engine"], state["reference"], prompts, parity_new,
+                            kv_blocks=state["kv_blocks"], prefill_tokens=prefill_tokens))
+
+
+def _phase_decode(p: dict, run: Run) -> None:
+    deadline, concurrency, prompt_tokens, new_tokens = run.deadline, run.concurrency, run.prompt_tokens, run.new_tokens
+    prefill_tokens, state, device = run.prefill_tokens, run.state, run.device
+    runs = p["runs"] = []
+    ours, reference, engine = state["ours"], state["reference"], state["engine"]
+    warm = random_prompts(2, prompt_tokens, state["vocab"], seed=2)
+    run_engine(engine, warm, 4, kv_blocks=state["kv_blocks"], prefill_tokens=prefill_tokens)  # warm-up
+    hf_generate(reference, warm, 4, device)
+    for c in concurrency:
+        if time.monotonic() > deadline:
+            p["skipped"] = f"concurrency {c} and above: past --budget-s"
+            break
+        prompts = random_prompts(c, prompt_tokens, state["vocab"], seed=100 + c)
+        _, prefill_s = hf_generate(reference, prompts, 1, device)
+        _, hf_s = hf_generate(reference, prompts, new_tokens, device)
+        hf = {"concurrency": c, "system": "transformers generate",
+              "tokens_per_s": round(c * new_tokens / hf_s, 1),
+              "decode_tokens_per_s": round(c * (new_tokens - 1) / max(hf_s - prefill_s, 1e-9), 1)}
+        runs.append(hf)
+        for mode, units in (("engine, all resident", -1), ("engine, none resident", 0)):
+            from shard_engine import set_resident_units
+
+            set_resident_units(ours, units)
+            r = run_engine(engine, prompts, new_tokens, kv_blocks=state["kv_blocks"],
+                           prefill_tokens=prefill_tokens)
+            entry = {"concurrency": c, "system": mode, "tokens_per_s": round(c * new_tokens / r["seconds"], 1),
+                     "decode_tokens_per_s": round(r["decode_tokens"] / max(r["decode_seconds"], 1e-9), 1),
+                     "steps": r["steps"]}
+            entry["ratio_whole"] = round(entry["tokens_per_s"] / hf["tokens_per_s"], 3)
+            entry["ratio_decode"] = round(entry["decode_tokens_per_s"] / hf["decode_tokens_per_s"], 3)
+            runs.append(entry)
+            log(json.dumps(entry))
+        set_resident_units(ours, -1)
+    if device.type == "cuda":
+        p["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+
+
+def _phase_prefetch(p: dict, run: Run) -> None:
+    concurrency, prompt_tokens, new_tokens = run.concurrency, run.prompt_tokens, run.new_tokens
+    prefill_tokens = run.prefill_tokens
+    state = run.state
+    # the server's default: nothing resident, each unit starting the next two units' all-gathers
+    from shard_engine import disable_forward_prefetch, enable_forward_prefetch, set_resident_units
+
+    p["links"] = enable_forward_prefetch(state["ours"], depth=2)
+    set_resident_units(state["ours"], 0)
+    runs = p["runs"] = []
+    try:
+        for c in concurrency:
+            prompts = random_prompts(c, prompt_tokens, state["vocab"], seed=100 + c)
+            r = run_engine(state["engine"], prompts, new_tokens, kv_blocks=state["kv_blocks"],
+                           prefill_tokens=prefill_tokens)
+            runs.append({"concurrency": c, "tokens_per_s": round(c * new_tokens / r["seconds"], 1),
+                         "decode_tokens_per_s": round(r["decode_tokens"] / max(r["decode_seconds"], 1e-9), 1)})
+            log(json.dumps(runs[-1]))
+    finally:
+        disable_forward_prefetch(state["ours"])
+        set_resident_units(state["ours"], -1)
+
+
+def _phase_step_profile(p: dict, run: Run) -> None:
+    args, prompt_tokens, prefill_tokens, state = run.args, run.prompt_tokens, run.prefill_tokens, run.state
+    # where a one-sequence decode step's time goes (all resident): the engine's own overhead
+    import cProfile
+    import io
+    import pstats
+
+    prompts = random_prompts(1, prompt_tokens, state["vocab"], seed=7)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    r = run_engine(state["engine"], prompts, 32, kv_blocks=state["kv_blocks"], prefill_tokens=prefill_tokens)
+    profiler.disable()
+    p["ms_per_step"] = round(1000 * r["seconds"] / r["steps"], 2)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+    (pathlib.Path(args.out) / "step_profile.txt").write_text(text.getvalue())
+
+
+def _phase_serve(p: dict, run: Run) -> None:
+    args, dry, prompt_tokens, new_tokens = run.args, run.dry, run.prompt_tokens, run.new_tokens
+    prefill_tokens, state, device, path = run.prefill_tokens, run.state, run.device, run.path
+    p.update(check_server(path, device, state, prompt_tokens, new_tokens, prefill_tokens, dry,
+                          pathlib.Path(args.out)))
+
+
+def _phase_parity_fp32(p: dict, run: Run) -> None:
+    deadline, parity_new, prefill_tokens, state = run.deadline, run.parity_new, run.prefill_tokens, run.state
+    device, path = run.device, run.path
+    if time.monotonic() > deadline:
+        raise TimeoutError("past --budget-s")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ours32 = load_ours(path, device, torch.float32)
+    from shard_engine import set_resident_units
+
+    set_resident_units(ours32.model, -1)
+    reference32 = load_reference(path, device, torch.float32)
+    engine32 = make_engine(ours32.model, device, max(64, state.get("kv_blocks", 64) // 4))
+    prompts = random_prompts(len(PARITY_PROMPT_LENGTHS), PARITY_PROMPT_LENGTHS, state["vocab"], seed=1)
+    p.update(compare_greedy(engine32, reference32, prompts, parity_new, kv_blocks=engine32.cache.num_blocks,
+                            prefill_tokens=prefill_tokens))
+    if p["equal"] != p["of"]:
+        raise AssertionError(f"float32 greedy tokens differ from transformers' on {p['of'] - p['equal']} prompts")
+
+
+def _phase_cpu_offload(p: dict, run: Run) -> None:
+    deadline, dtype, prefill_tokens, state = run.deadline, run.dtype, run.prefill_tokens, run.state
+    device, path = run.device, run.path
+    # FSDP's CPU offload: shards in host memory, copied in for each unit's forward
+    if time.monotonic() > deadline:
+        raise TimeoutError("past --budget-s")
+    from loaders import load_hsdp_model
+    from shard_engine import HSDPInferenceConfig
+
+    offloaded = load_hsdp_model(path, HSDPInferenceConfig(cpu_offload=True), device=device, dtype=dtype)
+    p["parameter_device"] = str(next(offloaded.model.parameters()).device)
+    engine = make_engine(offloaded.model, device, 1024)
+    r = run_engine(engine, state["offload_prompts"], 16, kv_blocks=1024, prefill_tokens=prefill_tokens)
+    p["tokens_per_s"] = round(2 * 16 / r["seconds"], 1)
+    p["equal_to_resident_engine"] = r["tokens"] == state["offload_expected"]
+    if not p["equal_to_resident_engine"]:
+        raise AssertionError(f"offloaded {r['tokens']} != resident {state['offload_expected']}")
+
+
+@dataclass
+class Run:
+    """What the phases share: this run's settings, and what earlier phases leave in ``state``."""
+
+    args: argparse.Namespace
+    dry: bool
+    deadline: float
+    concurrency: tuple
+    prompt_tokens: int
+    new_tokens: int
+    parity_new: int
+    dtype: torch.dtype
+    kv_bytes: int
+    prefill_tokens: int
+    report: Report
+    state: dict = field(default_factory=dict)
+    device: torch.device | None = None
+    path: str = ""
+
+
+def _settings(args: argparse.Namespace) -> Run:
+    import transformers
+
+    from server.config import ServeConfig
+
+    dry = args.dry_run
+    dtype = torch.float32 if dry else torch.bfloat16
+    prefill_tokens = ServeConfig.__dataclass_fields__["max_batch_prefill_tokens"].default
+    report = Report(pathlib.Path(args.out), {
+        "dry_run": dry, "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "dtype": str(dtype).removeprefix("torch."),
+        "prefill_tokens_per_step": prefill_tokens, "kv_block_size": BLOCK_SIZE,
+    })
+    return Run(args=args, dry=dry, deadline=time.monotonic() + args.budget_s,
+               concurrency=(1, 4) if dry else CONCURRENCY,
+               prompt_tokens=16 if dry else PROMPT_TOKENS, new_tokens=8 if dry else NEW_TOKENS,
+               parity_new=8 if dry else PARITY_NEW_TOKENS, dtype=dtype,
+               kv_bytes=(64 << 20) if dry else (16 << 30), prefill_tokens=prefill_tokens, report=report)
+
+
+def _offload_expectation(run: Run) -> None:
+    """What the CPU-offloaded model must answer (phase cpu_offload), from the resident engine."""
+    state = run.state
+    with contextlib.suppress(Exception):
+        state["offload_prompts"] = random_prompts(2, run.prompt_tokens, state["vocab"], seed=9)
+        expected = run_engine(state["engine"], state["offload_prompts"], 16, kv_blocks=state["kv_blocks"],
+                              prefill_tokens=run.prefill_tokens)
+        state["offload_expected"] = expected["tokens"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="gpu_check_out", help="folder for gpu_check.json and gpu_check.md")
@@ -380,223 +641,31 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, a tiny model, few tokens: the logic only")
     parser.add_argument("--budget-s", type=float, default=480, help="phases not started by then are skipped")
     args = parser.parse_args(argv)
-
-    dry = args.dry_run
-    if not dry and not torch.cuda.is_available():
+    if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: use --dry-run to check the logic on CPU")
-    deadline = time.monotonic() + args.budget_s
     faulthandler.dump_traceback_later(args.budget_s + 120, exit=True)  # never hang the lease
-    concurrency = (1, 4) if dry else CONCURRENCY
-    prompt_tokens, new_tokens = (16, 8) if dry else (PROMPT_TOKENS, NEW_TOKENS)
-    parity_new = 8 if dry else PARITY_NEW_TOKENS
-    dtype = torch.float32 if dry else torch.bfloat16
-    kv_bytes = (64 << 20) if dry else (16 << 30)
-
-    import transformers
-
-    from server.config import ServeConfig
-
-    prefill_tokens = ServeConfig.__dataclass_fields__["max_batch_prefill_tokens"].default
-    report = Report(pathlib.Path(args.out), {
-        "dry_run": dry, "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "dtype": str(dtype).removeprefix("torch."),
-        "prefill_tokens_per_step": prefill_tokens, "kv_block_size": BLOCK_SIZE,
-    })
-    state: dict = {}
-
+    run = _settings(args)
+    report = run.report
     with report.phase("env") as p:
-        p["cuda"] = torch.version.cuda
-        if not dry:
-            props = torch.cuda.get_device_properties(0)
-            p["gpu"] = props.name
-            p["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
-            p["multiprocessors"] = props.multi_processor_count
-            with contextlib.suppress(Exception):
-                p["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                             capture_output=True, text=True, timeout=20).stdout.strip()
-        p["cpus"] = os.cpu_count()
-        state["device"] = init_world_one("cpu" if dry else "cuda")
-        p["device"] = str(state["device"])
-        p["threads"] = torch.get_num_threads()
-    device = state.get("device")
-
-    workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="gpu-check-"))
-    path = str(workdir / "llama-1b")
-    with report.phase("checkpoint") as p:
-        from transformers import AutoModelForCausalLM
-
-        config = llama_config(dry)
-        torch.manual_seed(0)
-        build_on = torch.device("cuda") if not dry else torch.device("cpu")
-        with build_on:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        p["parameters"] = sum(t.numel() for t in model.parameters())
-        model.save_pretrained(path, max_shard_size="1GB")
-        word_tokenizer(config.vocab_size).save_pretrained(path)  # the server needs one
-        del model
-        torch.cuda.empty_cache() if not dry else None
-        files = sorted(pathlib.Path(path).glob("*.safetensors"))
-        p["files"], p["bytes"] = len(files), sum(f.stat().st_size for f in files)
-        state["vocab"] = config.vocab_size
-
-    with report.phase("load") as p:
-        p["page_cache_dropped"] = not dry and drop_page_cache()
-        start = time.perf_counter()
-        loaded = load_ours(path, device, dtype)
-        ours_s = time.perf_counter() - start
-        stats = loaded.stats
-        p["ours_seconds"] = round(ours_s, 3)
-        p["ours_gb_per_s"] = round(stats.checkpoint_bytes / ours_s / 1e9, 2)
-        p["ours_phases"] = {k: round(v, 3) for k, v in stats.phase_seconds.items()}
-        if device.type == "cuda":
-            p["ours_peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
-        p["model_bytes"] = sum(t.numel() * t.element_size() for t in loaded.model.parameters())
-        state["ours"] = loaded.model
-        if not dry:
-            drop_page_cache()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
-        state["reference"] = load_reference(path, device, dtype)
-        ref_s = time.perf_counter() - start
-        p["transformers_seconds"] = round(ref_s, 3)
-        p["transformers_gb_per_s"] = round(stats.checkpoint_bytes / ref_s / 1e9, 2)
-        p["ratio_ours_to_transformers_seconds"] = round(ours_s / ref_s, 3)
-
-    with report.phase("residency") as p:
-        from server.engine import KVGeometry, size_kv_pool
-        from shard_engine import set_resident_units
-
-        residency = set_resident_units(state["ours"], -1)
-        p["resident_units"], p["extra_bytes"] = len(residency.units), residency.extra_bytes
-        geometry = KVGeometry.of(state["ours"])
-        p["kv_bytes_per_token"] = geometry.bytes_per_token
-        p["auto_kv_blocks"] = size_kv_pool(None, geometry, BLOCK_SIZE, device)  # what --kv-cache-memory auto takes
-        state["kv_blocks"] = size_kv_pool(kv_bytes, geometry, BLOCK_SIZE, device)
-        p["kv_blocks"] = state["kv_blocks"]
-        state["engine"] = make_engine(state["ours"], device, state["kv_blocks"])
-
-    with report.phase("parity_bf16" if not dry else "parity_dtype") as p:
-        prompts = random_prompts(len(PARITY_PROMPT_LENGTHS), PARITY_PROMPT_LENGTHS, state["vocab"], seed=1)
-        p.update(compare_greedy(state["engine"], state["reference"], prompts, parity_new,
-                                kv_blocks=state["kv_blocks"], prefill_tokens=prefill_tokens))
-
-    with report.phase("decode") as p:
-        runs = p["runs"] = []
-        ours, reference, engine = state["ours"], state["reference"], state["engine"]
-        warm = random_prompts(2, prompt_tokens, state["vocab"], seed=2)
-        run_engine(engine, warm, 4, kv_blocks=state["kv_blocks"], prefill_tokens=prefill_tokens)  # warm-up
-        hf_generate(reference, warm, 4, device)
-        for c in concurrency:
-            if time.monotonic() > deadline:
-                p["skipped"] = f"concurrency {c} and above: past --budget-s"
-                break
-            prompts = random_prompts(c, prompt_tokens, state["vocab"], seed=100 + c)
-            _, prefill_s = hf_generate(reference, prompts, 1, device)
-            _, hf_s = hf_generate(reference, prompts, new_tokens, device)
-            hf = {"concurrency": c, "system": "transformers generate",
-                  "tokens_per_s": round(c * new_tokens / hf_s, 1),
-                  "decode_tokens_per_s": round(c * (new_tokens - 1) / max(hf_s - prefill_s, 1e-9), 1)}
-            runs.append(hf)
-            for mode, units in (("engine, all resident", -1), ("engine, none resident", 0)):
-                from shard_engine import set_resident_units
-
-                set_resident_units(ours, units)
-                r = run_engine(engine, prompts, new_tokens, kv_blocks=state["kv_blocks"],
-                               prefill_tokens=prefill_tokens)
-                entry = {"concurrency": c, "system": mode, "tokens_per_s": round(c * new_tokens / r["seconds"], 1),
-                         "decode_tokens_per_s": round(r["decode_tokens"] / max(r["decode_seconds"], 1e-9), 1),
-                         "steps": r["steps"]}
-                entry["ratio_whole"] = round(entry["tokens_per_s"] / hf["tokens_per_s"], 3)
-                entry["ratio_decode"] = round(entry["decode_tokens_per_s"] / hf["decode_tokens_per_s"], 3)
-                runs.append(entry)
-                log(json.dumps(entry))
-            set_resident_units(ours, -1)
-        if device.type == "cuda":
-            p["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
-
-    with report.phase("prefetch") as p:
-        # the server's default: nothing resident, each unit starting the next two units' all-gathers
-        from shard_engine import disable_forward_prefetch, enable_forward_prefetch, set_resident_units
-
-        p["links"] = enable_forward_prefetch(state["ours"], depth=2)
-        set_resident_units(state["ours"], 0)
-        runs = p["runs"] = []
-        try:
-            for c in concurrency:
-                prompts = random_prompts(c, prompt_tokens, state["vocab"], seed=100 + c)
-                r = run_engine(state["engine"], prompts, new_tokens, kv_blocks=state["kv_blocks"],
-                               prefill_tokens=prefill_tokens)
-                runs.append({"concurrency": c, "tokens_per_s": round(c * new_tokens / r["seconds"], 1),
-                             "decode_tokens_per_s": round(r["decode_tokens"] / max(r["decode_seconds"], 1e-9), 1)})
-                log(json.dumps(runs[-1]))
-        finally:
-            disable_forward_prefetch(state["ours"])
-            set_resident_units(state["ours"], -1)
-
-    with report.phase("step_profile") as p:
-        # where a one-sequence decode step's time goes (all resident): the engine's own overhead
-        import cProfile
-        import io
-        import pstats
-
-        prompts = random_prompts(1, prompt_tokens, state["vocab"], seed=7)
-        profiler = cProfile.Profile()
-        profiler.enable()
-        r = run_engine(state["engine"], prompts, 32, kv_blocks=state["kv_blocks"], prefill_tokens=prefill_tokens)
-        profiler.disable()
-        p["ms_per_step"] = round(1000 * r["seconds"] / r["steps"], 2)
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
-        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
-        (pathlib.Path(args.out) / "step_profile.txt").write_text(text.getvalue())
-
-    with contextlib.suppress(Exception):  # what the CPU-offloaded model must answer (phase cpu_offload)
-        state["offload_prompts"] = random_prompts(2, prompt_tokens, state["vocab"], seed=9)
-        state["offload_expected"] = run_engine(state["engine"], state["offload_prompts"], 16,
-                                               kv_blocks=state["kv_blocks"], prefill_tokens=prefill_tokens)["tokens"]
-
+        _phase_env(p, run)
+    run.device = run.state.get("device")
+    run.path = str(pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="gpu-check-")) / "llama-1b")
+    phases = [("checkpoint", _phase_checkpoint), ("load", _phase_load), ("residency", _phase_residency),
+              ("parity_bf16" if not run.dry else "parity_dtype", _phase_parity_bf16), ("decode", _phase_decode),
+              ("prefetch", _phase_prefetch), ("step_profile", _phase_step_profile)]
+    for name, phase in phases:
+        with report.phase(name) as p:
+            phase(p, run)
+    _offload_expectation(run)
     with report.phase("serve") as p:
-        p.update(check_server(path, device, state, prompt_tokens, new_tokens, prefill_tokens, dry,
-                              pathlib.Path(args.out)))
-
+        _phase_serve(p, run)
     for key in ("engine", "ours", "reference"):
-        state.pop(key, None)
-    if device is not None and device.type == "cuda":
+        run.state.pop(key, None)
+    if run.device is not None and run.device.type == "cuda":
         torch.cuda.empty_cache()
-
-    with report.phase("parity_fp32") as p:
-        if time.monotonic() > deadline:
-            raise TimeoutError("past --budget-s")
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        ours32 = load_ours(path, device, torch.float32)
-        from shard_engine import set_resident_units
-
-        set_resident_units(ours32.model, -1)
-        reference32 = load_reference(path, device, torch.float32)
-        engine32 = make_engine(ours32.model, device, max(64, state.get("kv_blocks", 64) // 4))
-        prompts = random_prompts(len(PARITY_PROMPT_LENGTHS), PARITY_PROMPT_LENGTHS, state["vocab"], seed=1)
-        p.update(compare_greedy(engine32, reference32, prompts, parity_new, kv_blocks=engine32.cache.num_blocks,
-                                prefill_tokens=prefill_tokens))
-        if p["equal"] != p["of"]:
-            raise AssertionError(f"float32 greedy tokens differ from transformers' on {p['of'] - p['equal']} prompts")
-
-    with report.phase("cpu_offload") as p:
-        # FSDP's CPU offload: shards in host memory, copied in for each unit's forward
-        if time.monotonic() > deadline:
-            raise TimeoutError("past --budget-s")
-        from loaders import load_hsdp_model
-        from shard_engine import HSDPInferenceConfig
-
-        offloaded = load_hsdp_model(path, HSDPInferenceConfig(cpu_offload=True), device=device, dtype=dtype)
-        p["parameter_device"] = str(next(offloaded.model.parameters()).device)
-        engine = make_engine(offloaded.model, device, 1024)
-        r = run_engine(engine, state["offload_prompts"], 16, kv_blocks=1024, prefill_tokens=prefill_tokens)
-        p["tokens_per_s"] = round(2 * 16 / r["seconds"], 1)
-        p["equal_to_resident_engine"] = r["tokens"] == state["offload_expected"]
-        if not p["equal_to_resident_engine"]:
-            raise AssertionError(f"offloaded {r['tokens']} != resident {state['offload_expected']}")
+    for name, phase in (("parity_fp32", _phase_parity_fp32), ("cpu_offload", _phase_cpu_offload)):
+        with report.phase(name) as p:
+            phase(p, run)
 
     report.doc["ok"] = all(ph.get("ok") for ph in report.doc["phases"].values())
     report.write()
@@ -607,7 +676,6 @@ def main(argv=None) -> int:
         close_rank()
     faulthandler.cancel_dump_traceback_later()
     return 0 if report.doc["ok"] else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

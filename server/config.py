@@ -374,18 +374,26 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a Hugging Face causal LM sharded over a group of ranks with FSDP2 (HSDP). Every flag "
                     f"can also be set as a variable: --max-total-tokens as {ENV_PREFIX}MAX_TOTAL_TOKENS.",
     )
-    for f in OPTIONS:
+    add_options(p, [f.name for f in OPTIONS])
+    return p
+
+
+def add_options(parser: argparse.ArgumentParser, names) -> None:
+    """The flags of the named options, as ``hsdp-serve`` declares them (``hsdp-load`` takes the
+    options it shares with the server from here)."""
+    by_name = {f.name: f for f in OPTIONS}
+    for name in names:
+        f = by_name[name]
         o = f.metadata["option"]
         shown = show_default(f)
         # argparse %-formats help texts: a literal % (as in "90% of what is free") must be doubled
         help_text = (o.help + (f" (default: {shown})" if shown else "")).replace("%", "%%")
         if o.switch:
-            p.add_argument(flag_of(f), dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                           help=help_text)
+            parser.add_argument(flag_of(f), dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=help_text)
             continue
-        p.add_argument(flag_of(f), dest=f.name, type=o.type, choices=o.choices, metavar=o.metavar,
-                       default=f.default, help=help_text)
-    return p
+        parser.add_argument(flag_of(f), dest=f.name, type=o.type, choices=o.choices, metavar=o.metavar,
+                            default=f.default, help=help_text)
 
 
 def _parse_env(f, text: str):

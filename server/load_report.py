@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 import time
@@ -22,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from loaders import READ_MODES, load_hsdp_model
-from server.config import DTYPES
-from server.config import DEVICE_TYPES, LOG_LEVELS, parse_nproc_per_node
+from server.config import DEVICE_TYPES, DTYPES, ServeConfig, add_options
 from server.group.launch import GroupError, launch_group
 from server.group.logs import configure_logging
-from server.group.process_group import init_rank, resolve_device_type, resolve_nproc_per_node, resolve_world_size
+from server.group.process_group import init_rank, is_under_torchrun, resolve_device_type, resolve_nproc_per_node, \
+    resolve_world_size
 from shard_engine import HSDPInferenceConfig, wire
 
 PROG = "hsdp-load"
@@ -157,28 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", metavar="DIR|ORG/NAME",
-                        help="checkpoint directory or Hub repo id (default: the embedded default model)")
-    parser.add_argument(
-        "--nproc-per-node",
-        type=parse_nproc_per_node,
-        metavar="N|auto",
-        help="ranks on this node (default auto: one per visible GPU on cuda, 2 on cpu; under torchrun, torchrun's)",
-    )
-    parser.add_argument("--replicate-size", type=int, default=1, metavar="R", help="replicas of the model")
-    parser.add_argument(
-        "--shard-size", type=int, default=-1, metavar="S", help="ranks per replica (default: world size / R)"
-    )
-    parser.add_argument("--device", choices=DEVICE_TYPES, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="load dtype (auto: the checkpoint's)")
-    parser.add_argument("--read-mode", choices=READ_MODES, default="sliced")
+    # the options it shares with hsdp-serve, declared once (server.config)
+    add_options(parser, ("model", "nproc_per_node", "replicate_size", "shard_size", "device", "dtype", "read_mode",
+                         "log_level"))
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=16, metavar="N")
     parser.add_argument(
         "--timeout-s", type=float, default=1800.0, metavar="S", help="process-group timeout (default 1800)"
-    )
-    parser.add_argument(
-        "--log-level", choices=LOG_LEVELS, help="every rank's level (default: rank 0 info, others warning)"
     )
     return parser
 
@@ -188,7 +174,10 @@ def build_config(args: argparse.Namespace) -> tuple[LoadReportConfig, int]:
     device = resolve_device_type(args.device)
     nproc_per_node = resolve_nproc_per_node(args.nproc_per_node, device)
     world_size = resolve_world_size(nproc_per_node)
-    hsdp = HSDPInferenceConfig(replicate_size=args.replicate_size, shard_size=args.shard_size)
+    local_world_size = nproc_per_node if not is_under_torchrun() else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    # the mesh as hsdp-serve resolves the same flags (replicate auto: one replica per node under torchrun)
+    hsdp = ServeConfig(replicate_size=args.replicate_size, shard_size=args.shard_size).mesh_config(
+        world_size, local_world_size)
     try:
         hsdp.resolve_mesh_shape(world_size)
     except ValueError as e:

@@ -23,10 +23,6 @@ SMALL_FILE_LIMIT = 512 << 20
 optimizer states: never read)."""
 
 
-def looks_like_s3(spec: str) -> bool:
-    return spec.startswith("s3://")
-
-
 def resolve_s3(url: str, cache_dir: str | None = None) -> str:
     """The local directory for ``url`` (fetched now): small files, and remote.json naming the weights."""
     from botocore.exceptions import BotoCoreError, ClientError

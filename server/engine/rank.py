@@ -100,6 +100,11 @@ class _Sequence:
 
 
 class RankEngine:
+    """This rank's sequences, its paged KV cache and sampler: :meth:`step` applies rank 0's plan
+    (sequences added and removed, the chunks of tokens to compute) and returns the step's
+    tokens. Called by the rank's engine loop only (``server.group.control``), one step at a time;
+    every rank of a step group calls it for every plan, so that their forwards' collectives match."""
+
     def __init__(self, model: nn.Module, device: torch.device, rank: int, *, num_blocks: int, block_size: int,
                  tokenizer=None):
         self.model, self.device, self.rank = model, device, rank

@@ -140,6 +140,11 @@ class RowMasks:
 
 
 class BatchSampler:
+    """A rank's sampler: the next token of every row of a step at once, transformers' processors
+    applied row-wise in ``generate``'s order. A seeded row draws from ``token_seed(seed, n)`` for its
+    n-th token, so that its output replays whatever the batch around it; greedy rows are argmax.
+    Not thread-safe (one per rank, used by its engine thread)."""
+
     def __init__(self):
         self._generator = torch.Generator()
 

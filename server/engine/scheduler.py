@@ -55,7 +55,15 @@ class ErrorEvent:
 
 @dataclass(eq=False)
 class RequestHandle:
-    """One request as rank 0 sees it. ``deliver`` is called on the engine thread."""
+    """One sequence as rank 0 sees it.
+
+    Threads: the API side creates it and reads ``prompt_ids``, ``params`` and ``cache_root``
+    (never changed after); every other field is written only by the engine thread of the group
+    it was placed on. The API side reads ``done`` and the timestamps only after the sequence's
+    last event has reached its loop (``deliver``, called on the engine thread, hands each event
+    over through ``loop.call_soon_threadsafe``, whose queue orders the writes before the reads),
+    or, for ``done``, to decide whether to cancel: a stale False only sends a cancel the
+    scheduler ignores for a finished sequence. No lock is needed, and none is taken."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -91,6 +99,15 @@ class RequestHandle:
 
 
 class Scheduler:
+    """Rank 0's scheduler of one step group (the module says how it admits, places and plans).
+
+    Threads: HTTP handlers call only :meth:`try_submit`, :meth:`cancel` and :meth:`finish`, which
+    put into an inbox; everything else (:meth:`next_plan`, :meth:`on_result`, the queues, the
+    pools) belongs to the engine thread that steps this group. Counts (``num_running``,
+    ``num_waiting``) and per-rank stats are read from any thread as a snapshot that may be one
+    step old. Bounded: at most ``max_running`` sequences run and ``max_queued`` wait; beyond,
+    :meth:`try_submit` refuses (the API's 429)."""
+
     def __init__(
         self,
         *,

@@ -36,6 +36,11 @@ from server.engine.scheduler import RequestHandle, Scheduler
 
 
 class StepGroupRouter:
+    """What rank 0's HTTP side sees: one scheduler interface over the step groups' schedulers,
+    each request placed on a group when it arrives (the module says how). Thread-safe as
+    :class:`~server.engine.scheduler.Scheduler` is; its placement holds a lock of its own so that
+    two arrivals never both take a group's last running place."""
+
     def __init__(self, schedulers: list[Scheduler], *, max_running: int, max_queued: int):
         self.schedulers = schedulers
         self.replicas = [list(s.rank_ids) for s in schedulers]

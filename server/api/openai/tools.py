@@ -40,10 +40,6 @@ class ToolCall:
     id: str = field(default_factory=new_call_id)
 
 
-def _compact(value) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
 class ToolCallFormat:
     """One tool-call convention (``hermes``'s; a subclass would override the texts and tags)."""
 

@@ -146,11 +146,6 @@ class StreamResponse(BaseModel):
     details: StreamDetails | None = None
 
 
-class ErrorResponse(BaseModel):
-    error: str
-    error_type: str
-
-
 class CompatGenerateRequest(GenerateRequest):
     """The body of TGI's ``POST /``: a generate request that says whether to stream."""
 
