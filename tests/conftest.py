@@ -1,5 +1,7 @@
+import inspect
 import os
 import time
+import types
 
 import pytest
 
@@ -29,6 +31,41 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if elapsed is not None:
         over = " -- OVER BUDGET: the run fails" if elapsed > SUITE_BUDGET_S else ""
         terminalreporter.write_line(f"suite time {elapsed:.0f} s of a {SUITE_BUDGET_S:.0f} s budget{over}")
+
+
+SPAWNS = ("ServerProcess(", "run_ranks(", "launch_group(", "subprocess.", "Popen(", "mp.spawn(", "multiprocessing.")
+"""What in a test (or a fixture or module function it uses) starts processes: a server, ranks."""
+
+
+def _spawns(fn, seen: set) -> bool:
+    """Whether ``fn``, or a module-level function or fixture of its module it names, starts processes."""
+    fn = inspect.unwrap(fn) if callable(fn) else fn
+    if not isinstance(fn, (types.FunctionType, type)) or fn in seen or not fn.__module__.startswith("tests"):
+        return False
+    seen.add(fn)
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+    if any(s in source for s in SPAWNS):
+        return True
+    functions = [fn] if isinstance(fn, types.FunctionType) else [
+        f for f in vars(fn).values() if isinstance(f, types.FunctionType)]
+    for f in functions:
+        codes = [f.__code__, *(k for k in f.__code__.co_consts if isinstance(k, types.CodeType))]
+        if any(_spawns(f.__globals__.get(name), seen) for code in codes for name in code.co_names):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """``server``: the test starts processes (a server or ranks), itself or through a fixture; the
+    fast lane is ``pytest -m "not server"``."""
+    for item in items:
+        seen: set = set()
+        fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+        if any(_spawns(fn, seen) for fn in [getattr(item, "function", None), *fixtures] if fn is not None):
+            item.add_marker(pytest.mark.server)
 
 
 ARCHS = ("llama", "qwen2", "gpt2")
