@@ -71,7 +71,7 @@ MIN_STEP_TIMEOUT_S = 2.0
 ENV_PREFIX = "HSDP_"
 GROUPS = ("model", "group", "http", "admission", "limits", "memory", "timeouts", "speed")
 LIMIT_GROUPS = ("limits", "timeouts")
-"""The groups the README's "Limits and timeouts" table lists, after :data:`CONNECTION_LIMITS`."""
+"""The groups docs/options.md's "Limits and timeouts" table lists, after :data:`CONNECTION_LIMITS`."""
 CONNECTION_LIMITS = ("max_body_bytes", "max_buffered_body_bytes", "max_connections")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -454,7 +454,7 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
 
 
 def render_options_markdown() -> str:
-    """The README's table of options, generated from the declaration."""
+    """docs/options.md's table of options, generated from the declaration."""
     rows = ["| flag | variable | default | what |", "|---|---|---|---|"]
     for group in GROUPS:
         for f in OPTIONS:
@@ -472,7 +472,7 @@ def render_options_markdown() -> str:
 
 
 def render_limits_markdown() -> str:
-    """The README's "Limits and timeouts" table: every bound on what a client may send, ask for or
+    """docs/options.md's "Limits and timeouts" table: every bound on what a client may send, ask for or
     withhold, from the same declaration."""
     rows = ["| limit | default | what happens past it, and why |", "|---|---|---|"]
     chosen = [f for f in OPTIONS if f.name in CONNECTION_LIMITS]

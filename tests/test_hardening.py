@@ -213,13 +213,13 @@ def test_every_variable_the_server_reads_is_declared():
     assert unknown_variables({"HSDP_NOT_A_THING": "1"}) == ["HSDP_NOT_A_THING"]
 
 
-def test_the_readme_tables_the_limits_and_timeouts():
+def test_the_docs_table_the_limits_and_timeouts():
     from server.config import render_limits_markdown
 
-    with open(f"{REPO}/README.md") as f:
-        readme = f.read()
-    assert render_limits_markdown() in readme  # regenerate with `python -m server.config --limits`
-    assert "**Security model.**" in readme
+    with open(f"{REPO}/docs/options.md") as f:
+        options = f.read()
+    assert render_limits_markdown() in options  # regenerate with `python -m server.config --limits`
+    assert "**Security model.**" in options
 
 
 def test_a_nan_logprob_is_null_not_a_500():

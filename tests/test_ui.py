@@ -4,7 +4,7 @@ API-key prompt. Chromium from the system's packages, driven by Playwright's Pyth
 browser download); skipped, saying why, where either is missing.
 
 ``HSDP_UI_SCREENSHOTS=DIR`` (opt-in, never in CI) writes loading.png and serving.png there, serving
-the real-weights default model so that the chat reads as text: the README's two pictures come from
+the real-weights default model so that the chat reads as text: docs/api.md's two pictures come from
 ``HSDP_UI_SCREENSHOTS=server/http/ui/screenshots pytest tests/test_ui.py -k load``.
 """
 

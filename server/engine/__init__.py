@@ -1,5 +1,5 @@
 """The serving engine: rank 0 plans every step of every replica (``scheduler``, ``blocks``; one
-scheduler per replica behind ``replicas``' router), every rank computes its share of it (``rank``: the paged KV cache and attention of ``attention``, the batched
+scheduler per step group behind ``step_groups``' router), every rank computes its share of it (``rank``: the paged KV cache and attention of ``attention``, the batched
 sampler of ``sampling``); ``plan`` holds what crosses the control channel between them.
 
 Token ids only: text belongs to the API side (``server.api.detokenize``).
