@@ -299,3 +299,13 @@ def test_the_checks_find_what_is_broken():
                    "rank.py defines no SamplingParams", "no server/nowhere.py", "no server/engine/gone.py",
                    "no class NoSuchRouter"):
         assert [p for p in layout if needle in p], (needle, layout)
+
+
+def test_every_metric_is_in_the_api_page():
+    from server.http.metrics import ServerMetrics
+
+    with open(os.path.join(REPO, "docs", "api.md")) as f:
+        page = f.read()
+    names = {m.name for m in ServerMetrics().registry.collect()}
+    missing = sorted(n for n in names if f"`{n}" not in page)
+    assert missing == [], f"metrics missing from docs/api.md's table: {missing}"
