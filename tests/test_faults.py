@@ -12,6 +12,7 @@ import pytest
 
 from tests.checkpoints import write_checkpoint
 from tests.server_process import ServerProcess, rank_pids, wait_session_gone
+from tests.waiting import wait_until
 
 # Long enough (tens of seconds) that nothing finishes by itself while a test provokes a fault.
 LONG = {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 3000}}
@@ -42,6 +43,16 @@ def _stream_in_background(url, body, events, first_token):
     return thread
 
 
+def _open_requests(server) -> float:
+    """Sequences running and waiting, from /metrics."""
+    gauges = {}
+    for line in server.client.get("/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("hsdp_running_sequences", "hsdp_waiting_sequences"):
+            gauges[name] = float(value)
+    return sum(gauges.values())
+
+
 def test_overload_gets_429_with_retry_after(model_dir, tmp_path):
     server = ServerProcess(model_dir, log_path=tmp_path / "log",
                            extra_args=(*ROOM, "--max-concurrent-requests", "1", "--max-queued-requests", "1",
@@ -52,7 +63,8 @@ def test_overload_gets_429_with_retry_after(model_dir, tmp_path):
         for _ in range(2):
             _stream_in_background(server.url, LONG, [], first_token)
         assert first_token.wait(30)
-        time.sleep(0.5)  # one stream runs, the other is queued behind it
+        # the bound on open requests (running and queued, 1 + 1) is reached: both streams are in
+        wait_until(lambda: _open_requests(server) == 2, 30, "both streams admitted or queued")
         r = server.client.post("/generate", json={"inputs": "one more"})
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert r.json()["error_type"] == "overloaded"

@@ -15,6 +15,7 @@ import torch
 
 from tests.checkpoints import tokenizer, write_checkpoint
 from tests.server_process import ServerProcess
+from tests.waiting import wait_until
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "color", "tag"],
           "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
@@ -151,7 +152,7 @@ def test_health_answers_while_large_tool_grammars_compile(served):
 
     prober = threading.Thread(target=probe, daemon=True)
     prober.start()
-    time.sleep(0.2)
+    wait_until(lambda: probe_s, 10, "a first /health probe")
     try:
         with concurrent.futures.ThreadPoolExecutor(10) as pool:
             answers = list(pool.map(ask, range(10)))

@@ -3,6 +3,7 @@
 serves HTTP. Losing node 1 (its agent and worker SIGKILLed together, as when a machine dies, or
 its agent alone) ends the in-flight request with an error and takes node 0 down, non-zero."""
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -117,16 +118,18 @@ def test_two_nodes_serve_exactly_and_a_lost_node_takes_the_group_down(model_dir,
         assert info["world_size"] == 2 and info["mesh_shape"] == {"replicate": 1, "shard": 2}
         # sharded across nodes: nothing shared through one host's memory, the gathers go over gloo
         assert "spans 2 nodes" in nodes.log(0)
-        for prompt in PROMPTS:
+        def generate(prompt: str, n: int) -> list[int]:
             r = nodes.client.post("/generate", json={"inputs": prompt, "parameters": {
-                "max_new_tokens": 12, "details": True}})
-            assert [t["id"] for t in r.json()["details"]["tokens"]] == _reference(model_dir, prompt, 12), prompt
-        both = [threading.Thread(target=nodes.client.post, args=("/generate",), kwargs={"json": {
-            "inputs": p, "parameters": {"max_new_tokens": 8}}}) for p in PROMPTS]
-        for t in both:
-            t.start()
-        for t in both:
-            t.join(60)
+                "max_new_tokens": n, "details": True}})
+            assert r.status_code == 200, r.text
+            return [t["id"] for t in r.json()["details"]["tokens"]]
+
+        for prompt in PROMPTS:
+            assert generate(prompt, 12) == _reference(model_dir, prompt, 12), prompt
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # both at once, batched
+            together = [pool.submit(generate, p, 8) for p in PROMPTS]
+            for prompt, future in zip(PROMPTS, together):
+                assert future.result(timeout=60) == _reference(model_dir, prompt, 8), prompt
         ranks = {r["rank"]: r for r in nodes.client.get("/info").json()["ranks"]}
         assert all(ranks[r]["tokens_computed"] > 0 and ranks[r]["forwards"] > 0 for r in (0, 1)), ranks
         # a forward gathers across the nodes: the shard group steps as one

@@ -11,6 +11,7 @@ import pytest
 
 from tests.checkpoints import write_checkpoint
 from tests.server_process import ServerProcess
+from tests.waiting import wait_until
 
 SLOW_S = 0.4  # every forward of rank 0 (replica 0) takes this much longer
 
@@ -66,7 +67,7 @@ def test_a_slow_replica_does_not_delay_the_other(served):
                                                                                    (1, replicas[1], 1)]
     slow, fast = {}, {}
     slow_thread = _stream(served, "the slow replica", 14, slow)  # both idle: replica 0 takes it
-    time.sleep(1.0)  # it is decoding, one token per SLOW_S
+    wait_until(lambda: "last" in slow, 30, "the slow request's first token")  # decoding, one token per SLOW_S
     fast_thread = _stream(served, "the fast replica", 16, fast)  # replica 0 has an open request: replica 1
     fast_thread.join(30)
     assert not fast_thread.is_alive() and len(fast["times"]) == 16

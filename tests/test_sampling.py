@@ -40,17 +40,24 @@ def test_processed_scores_equal_transformers_processors():
 
 def test_choices_logprobs_and_replay():
     logits, rows = _rows(200)
-    for row in rows:
+    for i, row in enumerate(rows):
         row.params.top_logprobs = 3 if row.params.samples else 0
+        row.params.seed = 100 + i
     sampler = BatchSampler()
     picks = sampler.sample(logits, rows)
-    processed = BatchSampler._process(logits, rows)
     for i, (token, logprob, top) in enumerate(picks):
-        assert torch.isfinite(processed[i, token])  # never a token the processors removed
+        # transformers' processors, then the documented draw: the inverse CDF at the uniform
+        # number of a generator seeded token_seed(seed, tokens generated so far)
+        row = rows[i]
+        theirs = build_logits_processors(row.params)(torch.tensor([row.tokens]), logits[i:i + 1].clone())[0]
+        assert torch.isfinite(theirs[token])  # never a token the processors removed
         assert abs(logprob - torch.log_softmax(logits[i], -1)[token].item()) < 1e-5
-        if not rows[i].params.samples:
-            assert token == int(processed[i].argmax())
+        if not row.params.samples:
+            assert token == int(theirs.argmax())
         else:
+            uniform = torch.rand((), generator=torch.Generator().manual_seed(token_seed(row.params.seed, i)))
+            cdf = torch.softmax(theirs, -1).cumsum(-1)
+            assert token == int((cdf <= uniform * cdf[-1]).sum()), i
             assert [t for t, _ in top] == torch.topk(logits[i], 3).indices.tolist()
     # the same seed and index give the same token, alone or batched differently
     alone = [sampler.sample(logits[i:i + 1], [rows[i]])[0][0] for i in reversed(range(len(rows)))]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.checkpoints import tokenizer, write_checkpoint
+from tests.sampling_reference import sample_reference
 from tests.server_process import ServerProcess
 
 PROMPTS = [
@@ -38,22 +39,37 @@ def served(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(served):
-    """transformers' own greedy generate on the unsharded model, stopping at EOS as the server does."""
+def reference_model(served):
+    """transformers' own unsharded model."""
     from transformers import AutoModelForCausalLM
 
     _, path, _ = served
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(reference_model):
+    """transformers' own greedy generate on the unsharded model, stopping at EOS as the server does."""
     tok = tokenizer()
 
-    def generate(prompt: str, max_new_tokens: int, **kwargs) -> list[int]:
-        ids = tok(prompt, return_tensors="pt").input_ids
+    def generate(prompt: str | list[int], max_new_tokens: int, **kwargs) -> list[int]:
+        ids = tok(prompt, return_tensors="pt").input_ids if isinstance(prompt, str) else torch.tensor([prompt])
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=tok.pad_token_id, **kwargs)
+            out = reference_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                           do_sample=False, pad_token_id=tok.pad_token_id, **kwargs)
         return out[0, ids.shape[1]:].tolist()
 
     return generate
+
+
+@pytest.fixture(scope="module")
+def sampled_reference(reference_model):
+    """The tokens a seeded sampled request of ``prompt`` must get (tests/sampling_reference.py)."""
+    def sample(prompt, max_new_tokens: int, **settings) -> list[int]:
+        ids = tokenizer()(prompt).input_ids if isinstance(prompt, str) else prompt
+        return sample_reference(reference_model, ids, max_new_tokens, **settings)
+
+    return sample
 
 
 def _generate(client, prompt, **params):
@@ -135,15 +151,14 @@ def test_degenerate_sampling_is_greedy_and_serving_goes_on(served, reference):
     assert server.client.get("/health").status_code == 200
 
 
-def test_concurrent_requests_equal_their_solo_results(served, reference):
+def test_concurrent_requests_each_equal_transformers(served, reference):
     server, _, _ = served
     lengths = [16, 24, 8, 20, 12, 32, 4, 28]
-    solo = [_ids(_generate(server.client, p, max_new_tokens=n)) for p, n in zip(PROMPTS, lengths)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(_generate, server.client, p, max_new_tokens=n) for p, n in zip(PROMPTS, lengths)]
         together = [_ids(f.result(timeout=120)) for f in futures]
-    assert together == solo
-    assert solo[5] == reference(PROMPTS[5], 32)
+    for prompt, n, ids in zip(PROMPTS, lengths, together):
+        assert ids == reference(prompt, n), prompt
 
 
 def test_sequences_are_spread_over_ranks(served):
@@ -200,16 +215,17 @@ def test_sse_format(served, reference):
     assert last["details"]["generated_tokens"] == len(events)
 
 
-def test_seeded_sampling_is_reproducible(served):
+def test_seeded_sampling_equals_the_reference_draw(served, sampled_reference):
     server, _, _ = served
-    params = dict(max_new_tokens=12, do_sample=True, temperature=1.5, top_k=50, top_p=0.95, seed=1234)
-    a = _generate(server.client, PROMPTS[0], **params)
-    b = _generate(server.client, PROMPTS[0], **params)
-    c = _generate(server.client, PROMPTS[0], **{**params, "seed": 99})
-    assert _ids(a) == _ids(b) and a["details"]["seed"] == 1234
-    assert _ids(a) != _ids(c)
+    warpers = {"temperature": 1.5, "top_k": 50, "top_p": 0.95}
+    drawn = {seed: sampled_reference(PROMPTS[0], 12, seed=seed, **warpers) for seed in (1234, 99)}
+    assert drawn[1234] != drawn[99]
+    for seed, expected in drawn.items():
+        out = _generate(server.client, PROMPTS[0], max_new_tokens=12, do_sample=True, seed=seed, **warpers)
+        assert out["details"]["seed"] == seed and _ids(out) == expected, seed
+    # unseeded: the server chooses a seed and reports it, and that seed replays the answer
     unseeded = _generate(server.client, PROMPTS[0], max_new_tokens=4, do_sample=True)
-    assert isinstance(unseeded["details"]["seed"], int)
+    assert _ids(unseeded) == sampled_reference(PROMPTS[0], 4, seed=unseeded["details"]["seed"])
 
 
 def test_stop_sequence_and_return_full_text(served, reference):
@@ -270,7 +286,7 @@ def test_invalid_requests_get_422_and_serving_goes_on(served, endpoint, case, bo
 # -- the rest of the request surface: TGI's official client, every TGI parameter, penalties,
 # logit bias, stop token ids, tokenization --------------------------------------------------------
 
-def test_tgi_official_client_works_unmodified(served, reference):
+def test_tgi_official_client_works_unmodified(served, reference, sampled_reference):
     """text-generation 0.7 sends every TGI parameter, unset ones as null or false, to ``/``, and
     reads a list back; streaming too."""
     from text_generation import Client
@@ -295,10 +311,10 @@ def test_tgi_official_client_works_unmodified(served, reference):
     ids = tokenizer()(prompt).input_ids
     truncated = client.generate(prompt, max_new_tokens=8, truncate=4)
     assert [t.id for t in truncated.details.tokens] == reference(tokenizer().decode(ids[-4:]), 8)
-    # sampling with typical_p and a frequency penalty, seeded: replays
+    # sampling with typical_p and a frequency penalty, seeded: the reference draw
     a = client.generate(prompt, max_new_tokens=8, do_sample=True, typical_p=0.8, frequency_penalty=0.5, seed=7)
-    b = client.generate(prompt, max_new_tokens=8, do_sample=True, typical_p=0.8, frequency_penalty=0.5, seed=7)
-    assert [t.id for t in a.details.tokens] == [t.id for t in b.details.tokens]
+    assert [t.id for t in a.details.tokens] == sampled_reference(prompt, 8, seed=7, typical_p=0.8,
+                                                                 frequency_penalty=0.5)
     # best_of and decoder_input_details, read by the client's own types
     best = client.generate(prompt, max_new_tokens=4, do_sample=True, best_of=2, decoder_input_details=True)
     assert len(best.details.best_of_sequences) == 1 and [t.id for t in best.details.prefill] == ids
@@ -462,7 +478,7 @@ def test_openai_sdk_parse_with_a_pydantic_model(served):
     assert isinstance(parsed, Answer), completion
 
 
-def test_openai_n_prompt_lists_and_token_id_prompts(served, reference):
+def test_openai_n_prompt_lists_and_token_id_prompts(served, reference, sampled_reference):
     server, _, _ = served
     tok = tokenizer()
     first, second = PROMPTS[0], PROMPTS[5]
@@ -482,10 +498,10 @@ def test_openai_n_prompt_lists_and_token_id_prompts(served, reference):
     by_ids = complete(prompt=tok(first).input_ids)
     assert by_ids["choices"][0]["text"] == texts[0]
     assert complete(prompt=[tok(first).input_ids, tok(second).input_ids])["choices"][1]["text"] == texts[2]
-    # sampled and seeded: the choices differ from each other and replay
+    # sampled and seeded: choice j samples with seed + j (the reference draw), so the choices differ
     sampled = complete(prompt=first, n=3, temperature=1.0, seed=11, max_tokens=8)
-    again = complete(prompt=first, n=3, temperature=1.0, seed=11, max_tokens=8)
-    assert [c["text"] for c in sampled["choices"]] == [c["text"] for c in again["choices"]]
+    assert [c["text"] for c in sampled["choices"]] == [
+        tok.decode(sampled_reference(first, 8, seed=11 + j), skip_special_tokens=True) for j in range(3)]
     assert len({c["text"] for c in sampled["choices"]}) > 1
     # streamed: every chunk names its choice; each choice's text is the non-streamed one
     pieces = {0: "", 1: ""}
@@ -496,11 +512,17 @@ def test_openai_n_prompt_lists_and_token_id_prompts(served, reference):
                 for c in json.loads(line[6:])["choices"]:
                     pieces[c["index"]] += c["text"]
     assert pieces == {0: texts[0], 1: texts[2]}
-    # chat, n = 2
-    chat = server.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": first}],
-                                                           "max_tokens": 5, "temperature": 0, "n": 2}).json()
+    # chat, n = 2: both choices are the greedy answer to the templated prompt
+    from server.api.openai.chat import FALLBACK_CHAT_TEMPLATE
+
+    messages = [{"role": "user", "content": first}]
+    chat = server.client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5,
+                                                           "temperature": 0, "n": 2}).json()
+    templated = tok.apply_chat_template(messages, chat_template=FALLBACK_CHAT_TEMPLATE, add_generation_prompt=True,
+                                        tokenize=False)
+    expected = tok.decode(reference(tok(templated, add_special_tokens=False).input_ids, 5), skip_special_tokens=True)
     assert [c["index"] for c in chat["choices"]] == [0, 1]
-    assert chat["choices"][0]["message"] == chat["choices"][1]["message"]
+    assert [c["message"]["content"] for c in chat["choices"]] == [expected, expected]
     # token ids outside the vocabulary are a 400 naming the prompt
     r = server.client.post("/v1/completions", json={"prompt": [5, 10**6], "max_tokens": 2})
     assert r.status_code == 400 and "prompt" in json.dumps(r.json())

@@ -15,6 +15,7 @@ import torch
 
 from tests.checkpoints import PROMPTS, tokenizer, write_checkpoint
 from tests.hub_cache import write_hub_cache
+from tests.sampling_reference import sample_reference
 from tests.server_process import REPO, ServerProcess
 
 REPO_ID = "acme/tiny-llama"
@@ -112,18 +113,22 @@ def served(hub):
 
 
 @pytest.fixture(scope="module")
-def reference(hub):
+def reference_model(hub):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hub["files"], dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(hub["files"], dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(reference_model):
     tok = tokenizer()
 
     def generate(prompt: str, max_new_tokens: int, **kwargs) -> list[int]:
         ids = tok(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, do_sample=False, top_k=None,
-                                 pad_token_id=tok.pad_token_id, **kwargs)
+            out = reference_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                           min_new_tokens=max_new_tokens, do_sample=False, top_k=None,
+                                           pad_token_id=tok.pad_token_id, **kwargs)
         return out[0, ids.shape[1]:].tolist()
 
     return generate
@@ -139,7 +144,7 @@ def test_a_repo_id_is_served_under_its_name(served):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
-def test_generation_config_defaults_apply_to_openai_requests_only(served, reference):
+def test_generation_config_defaults_apply_to_openai_requests_only(served, reference, reference_model):
     tok = tokenizer()
     penalised = tok.decode(reference(PROMPTS[1], 12, repetition_penalty=PENALTY), skip_special_tokens=True)
     plain = tok.decode(reference(PROMPTS[1], 12, repetition_penalty=1.0), skip_special_tokens=True)
@@ -154,6 +159,9 @@ def test_generation_config_defaults_apply_to_openai_requests_only(served, refere
     for extra in ({"top_k": 0.5}, {"min_p": 2}, {"repetition_penalty": 0}):
         r = served.client.post("/v1/completions", json={**body, **extra})
         assert r.status_code == 400, extra
+    # sampled and seeded: the checkpoint's penalty applies, the request's top_k replaces its default
     seeded = {**body, "temperature": 0.8, "seed": 3, "top_k": 5, "min_p": 0.05}
-    texts = [served.client.post("/v1/completions", json=seeded).json()["choices"][0]["text"] for _ in range(2)]
-    assert texts[0] == texts[1]
+    text = served.client.post("/v1/completions", json=seeded).json()["choices"][0]["text"]
+    drawn = sample_reference(reference_model, tok(PROMPTS[1]).input_ids, 12, seed=3, temperature=0.8, top_k=5,
+                             min_p=0.05, repetition_penalty=PENALTY)
+    assert text == tok.decode(drawn, skip_special_tokens=True)

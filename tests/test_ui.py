@@ -81,7 +81,8 @@ def test_the_page_shows_the_load_the_group_and_a_streamed_answer(browser, model_
         cells = page.eval_on_selector_all("#ranks tbody tr", "rows => rows.map(r => r.cells[0].textContent)")
         assert cells == ["0", "1"]
         assert "1 x 2" in page.inner_text("#mesh")
-        time.sleep(4.5)  # a few scrapes of /metrics before the chat
+        # the live figures are up before the chat: two scrapes of /metrics make a rate, 0 while idle
+        page.wait_for_function("document.getElementById('tps').textContent === '0.0'", timeout=20000)
         # a chat answer streams in, with its figures
         page.fill("#temperature", "0")
         page.fill("#max-tokens", "24")
@@ -92,8 +93,8 @@ def test_the_page_shows_the_load_the_group_and_a_streamed_answer(browser, model_
                                timeout=60000)
         assert page.inner_text("#messages .assistant").strip(), page.inner_text("#messages")
         assert "error" not in page.inner_text("#messages .stats")
-        # the live figures count what was just generated
-        page.wait_for_function("document.getElementById('tps').textContent !== ''", timeout=20000)
+        # the live figures count what was just generated: a scrape after the answer shows a rate
+        page.wait_for_function("parseFloat(document.getElementById('tps').textContent) > 0", timeout=20000)
         assert page.is_visible("#c-tps") and page.inner_text("#load")
         if SHOTS:
             page.screenshot(path=os.path.join(SHOTS, "serving.png"), full_page=True)
