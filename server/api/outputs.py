@@ -59,7 +59,6 @@ class OutputProcessor:
         self._stops = StopText(stops)
         self._pieces: list[str] = []
         self._visible: list[str] = []
-        self.finish: str | None = None
 
     def process(self, event: TokenEvent) -> TokenOutput:
         """``event``'s output; after the last (``finish`` set) there is no more."""
@@ -73,7 +72,6 @@ class OutputProcessor:
             text += self._detokenizer.flush()
         self._pieces.append(text)
         self._visible.append(visible)
-        self.finish = finish
         return TokenOutput(event, text, visible, finish)
 
     @property
