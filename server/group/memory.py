@@ -40,10 +40,13 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import logging
 import threading
 from collections.abc import Callable
 
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=1)
@@ -104,10 +107,12 @@ class QuietReclaimer:
     def pass_now(self) -> int:
         """Collect and trim; the bytes the process's anonymous memory shrank by."""
         before = process_memory()["anon"]
-        gc.collect()
+        collected = gc.collect()
         release_freed_memory()
         self._after = process_memory()["anon"]
         self.passes += 1
+        logger.info("quiet: collected %d objects, anonymous memory %.0f -> %.0f MB", collected, before / 1e6,
+                    self._after / 1e6)
         return before - self._after
 
     def _run(self) -> None:
