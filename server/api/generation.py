@@ -19,6 +19,7 @@ from server.engine.scheduler import ErrorEvent, RequestHandle, choose_seed
 from server.http.errors import GenerationError, InputValidationError, OverloadedError, UnavailableError
 from server.http.state import ServerState
 
+
 def require_ready(state: ServerState) -> None:
     """503 until the model is loaded and warmed up (before then there is no tokenizer to use)."""
     if not state.ready:
@@ -119,21 +120,28 @@ async def run_grammar_work(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(_grammar_threads(), fn, *args)
 
 
-async def compile_grammar(state: ServerState, kind: str, spec, param: str) -> str:
-    """The llguidance grammar of a request's structured-output field, checked against the served
-    vocabulary (compiled off the event loop; rank 0's engine then copies the compiled form); a
-    schema or pattern it cannot take is the API's validation error naming ``param``."""
-    from server.engine.grammar import grammar_for, grammars_of
+async def checked_grammar(state: ServerState, build, param: str, what: str | None = None) -> str:
+    """``build()``'s llguidance grammar, checked against the served vocabulary, both off the event
+    loop (rank 0's engine then copies the compiled form); one it cannot take is the API's
+    validation error naming ``param``, its message after ``what`` (default: the parameter)."""
+    from server.engine.grammar import grammars_of
 
-    def build() -> str:
-        grammar = grammar_for(kind, spec)
+    def checked() -> str:
+        grammar = build()
         grammars_of(state.tokenizer).check(grammar)
         return grammar
 
     try:
-        return await run_grammar_work(build)
+        return await run_grammar_work(checked)
     except Exception as e:  # noqa: BLE001 - llguidance's errors are plain exceptions with a message
-        raise InputValidationError(f"{param}: {e}", param=param) from e
+        raise InputValidationError(f"{what or param}: {e}", param=param) from e
+
+
+async def compile_grammar(state: ServerState, kind: str, spec, param: str) -> str:
+    """The grammar of a request's structured-output field (``response_format``, TGI's ``grammar``)."""
+    from server.engine.grammar import grammar_for
+
+    return await checked_grammar(state, lambda: grammar_for(kind, spec), param)
 
 
 class RequestStream:

@@ -15,8 +15,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from server.api.generation import RequestStream, check_admission, check_request_bounds, off_loop, open_streams, \
-    run_grammar_work
+from server.api.generation import RequestStream, check_admission, check_request_bounds, checked_grammar, \
+    off_loop, open_streams
 from server.api.openai.protocol import ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, \
     ChatCompletionResponse, ChatLogprobs, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, \
     ResponseMessage, TokenLogprob, ToolCall, TopLogprob
@@ -143,16 +143,6 @@ async def _tool_grammar(state: ServerState, renderer, offered, several: bool) ->
     """The grammar that makes the answer calls of the offered tools, arguments valid against
     their schemas, built and checked off the event loop (128 tools of 50 properties take 0.4 s);
     a schema llguidance cannot take is a 400 naming ``tools``."""
-    from server.engine.grammar import grammars_of
-
     functions = [t.function.model_dump(exclude_none=True) for t in offered]
-
-    def build() -> str:
-        grammar = renderer.format.grammar(functions, several=several)
-        grammars_of(state.tokenizer).check(grammar)
-        return grammar
-
-    try:
-        return await run_grammar_work(build)
-    except Exception as e:  # noqa: BLE001 - llguidance's errors carry the message
-        raise InputValidationError(f"tools: a function's parameters cannot be enforced: {e}", param="tools") from e
+    return await checked_grammar(state, lambda: renderer.format.grammar(functions, several=several), "tools",
+                                 "tools: a function's parameters cannot be enforced")
