@@ -26,10 +26,10 @@ def model_dir(tmp_path_factory):
 
 
 def test_idle_longer_than_the_collective_timeout_still_serves(model_dir, tmp_path):
-    server = ServerProcess(model_dir, extra_args=("--collective-timeout", "4"), log_path=tmp_path / "log")
+    server = ServerProcess(model_dir, extra_args=("--collective-timeout", "2"), log_path=tmp_path / "log")
     try:
         server.poll_ready()
-        time.sleep(10)  # well past the 4 s timeout with no request
+        time.sleep(5)  # well past the 2 s timeout with no request
         r = server.client.post("/generate", json={"inputs": "still here", "parameters": {"max_new_tokens": 3}})
         assert r.status_code == 200, server.log_tail()
         assert server.client.get("/health").status_code == 200
