@@ -37,6 +37,7 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
     # torch modules (dotted): the names taken from them
     "torch": ("_foreach_copy_",),
     "torch.distributed.distributed_c10d": ("_get_default_store",),
+    "torch._dynamo": ("mark_static",),
     "torch.distributed.fsdp._fully_shard._fsdp_common": ("_from_local_no_grad",),
     "torch.distributed.fsdp._fully_shard._fsdp_collectives": ("AllGather", "DefaultAllGather"),
     # torch classes (dotted): methods called or overridden
@@ -44,7 +45,7 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
         "_create_tcp_store_server",),
     "torch.distributed.fsdp.FSDPModule": ("_get_fsdp_state", "_set_unshard_async_op"),
     # the objects of a gathered FSDP2 unit: attributes read or written (set at init or lazily)
-    "FSDPState": ("_fsdp_param_group",),
+    "FSDPState": ("_fsdp_param_group", "_pre_forward_hook_handle", "_post_forward_hook_handle", "_mp_policy"),
     "FSDPParamGroup": ("_reshard_after_forward", "fsdp_params", "is_unsharded", "lazy_init", "device"),
     "FSDPParam": ("_sharded_param_data", "_sharded_local_tensor", "_unsharded_param", "_orig_size",
                   "_contiguous_orig_stride", "_module_info", "all_gather_outputs", "sharded_param",
@@ -52,7 +53,7 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
     "ParamModuleInfo": ("module", "shared_modules"),
     "FSDPMeshInfo": ("shard_process_group", "shard_mesh_rank", "shard_mesh_size"),
     "DTensor": ("_local_tensor", "_spec"),
-    "Module": ("_parameters", "_buffers"),
+    "Module": ("_parameters", "_buffers", "_forward_pre_hooks", "_forward_hooks"),
 }
 """What this module relies on, owner -> names; :func:`check` looks each one up."""
 
@@ -101,6 +102,31 @@ def finish_lazy_init(unit: FSDPModule) -> None:
     """Run FSDP2's lazy init of the unit's group now (idempotent): it adopts replaced sharded
     parameters and settles the mixed-precision dtypes."""
     param_group(unit).lazy_init()
+
+
+def forward_hooks(unit: FSDPModule) -> tuple[dict, int, dict, int]:
+    """Where FSDP2's forward hooks of ``unit`` sit: (the module's pre-forward hook dict, the id
+    of FSDP2's pre-forward hook in it, its post-forward hook dict, the id of FSDP2's post-forward
+    hook in it). The dicts are the module's own, ordered as the hooks run."""
+    state = unit._get_fsdp_state()
+    return (unit._forward_pre_hooks, state._pre_forward_hook_handle.id,
+            unit._forward_hooks, state._post_forward_hook_handle.id)
+
+
+def casts_outputs(unit: FSDPModule) -> bool:
+    """Whether the unit's post-forward hook casts its outputs (mixed precision's output_dtype)."""
+    return unit._get_fsdp_state()._mp_policy.output_dtype is not None
+
+
+def mark_static(tensors) -> None:
+    """Tell torch.compile that ``tensors`` never change size (a KV pool): under ``dynamic=True``
+    their sizes would otherwise each become a symbol (48 pools of a 24-layer model: a symbolic
+    search that takes inductor many minutes), and a dynamic size that happens to equal one of
+    theirs while tracing would be guarded as equal to it."""
+    import torch._dynamo
+
+    for tensor in tensors:
+        torch._dynamo.mark_static(tensor)
 
 
 def set_unshard_async(unit: FSDPModule, async_op: bool) -> None:
