@@ -17,6 +17,8 @@ best of --repeats interleaved rounds:
   resident   every unit keeps its gathered parameters (set_resident_units(model, -1))
   shared     every unit resident in one shared copy per host, each rank's shards views of it
              (set_resident_units(model, -1, shared=True): the server's CPU default)
+  compiled   shared, and decode steps through the compiled forward (--compile decode,
+             server.engine.compiled); its compile seconds are reported beside it
 
 The floor of a sharded step is the larger of
   memcpy      one copy of the bytes a forward gathers, on every rank at once (gathering them
@@ -24,7 +26,7 @@ The floor of a sharded step is the larger of
               same bytes is reported beside it
   unsharded   the same decode step on the unsharded model (from_pretrained on every rank, the
               same per-rank batch, both ranks computing at once as they do when sharded)
-and each mode is reported as its ratio to the floor; ``resident`` and ``shared`` (nothing
+and each mode is reported as its ratio to the floor; ``resident``, ``shared`` and ``compiled`` (nothing
 gathered) as their ratio to the unsharded step. Targets: 1.1x resident, 1.3x the others. Prints one JSON document.
 """
 
@@ -44,8 +46,9 @@ import torch
 from benchmarks.models import bench_checkpoint, compute_dtype, parameter_count
 from tests.dist import run_ranks, values
 
-MODES = ("sharded", "prefetch1", "prefetch", "shm", "resident", "shared")
-TARGETS = {"resident": 1.1, "shared": 1.1}  # of the floor; every other mode: DEFAULT_TARGET
+MODES = ("sharded", "prefetch1", "prefetch", "shm", "resident", "shared", "compiled")
+RESIDENT_MODES = ("resident", "shared", "compiled")  # nothing gathered: reported against the unsharded step
+TARGETS = {"resident": 1.1, "shared": 1.1, "compiled": 1.1}  # of the floor; every other mode: DEFAULT_TARGET
 DEFAULT_TARGET = 1.3
 
 
@@ -53,7 +56,8 @@ def log(msg: str) -> None:
     print(f"[step] {msg}", file=sys.stderr, flush=True)
 
 
-def time_decode(model, rank: int, batch: int, context: int, steps: int, vocab: int, profile_path=None) -> dict:
+def time_decode(model, rank: int, batch: int, context: int, steps: int, vocab: int, profile_path=None,
+                compiled=None) -> dict:
     """Median seconds per decode step of ``batch`` sequences on this rank: the real engine's step
     (a local scheduler's plan, the rank engine's packed forward over the paged KV cache, batched
     sampling, the scheduler taking the tokens back)."""
@@ -65,6 +69,10 @@ def time_decode(model, rank: int, batch: int, context: int, steps: int, vocab: i
     # every rank runs the same plans on its own (rank 0 of its own one-rank scheduler), so the
     # forwards, hence the collectives inside them, stay matched
     engine = RankEngine(model, torch.device("cpu"), 0, num_blocks=blocks, block_size=block_size)
+    compile_s = None
+    if compiled is not None:  # one CompiledDecode per model: compiled by its first warm-up, reused after
+        compile_s = compiled.warm_up(engine.cache, block_size, engine.device)
+        engine.compiled = compiled
     scheduler = Scheduler(pools=[BlockPool(blocks, block_size, prefix_caching=False)], replicas=[[0]],
                           max_running=batch, max_total_tokens=context + steps + 16, eos_token_ids=set(),
                           max_prefill_tokens=batch * context, idle_wait_s=0.01)
@@ -95,7 +103,7 @@ def time_decode(model, rank: int, batch: int, context: int, steps: int, vocab: i
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(profile_path)
-    return {"median_s": statistics.median(times), "min_s": min(times), "steps": steps}
+    return {"median_s": statistics.median(times), "min_s": min(times), "steps": steps, "compile_s": compile_s}
 
 
 def time_memcpy(nbytes: int, repeats: int) -> dict:
@@ -168,7 +176,7 @@ def rank_body(rank: int, world: int, model_dir: str, batches: list[int], context
     model, vocab = loaded.model, loaded.config.vocab_size
     nbytes = gathered_bytes(model)
     out: dict = {"threads": torch.get_num_threads(), "gathered_bytes": nbytes, "modes": {}}
-    pool = None
+    pool = compiled = None
     for round_ in range(repeats):
         # rounds interleave the modes, and each figure is the best round's: the machine's noise
         # only ever slows a run down
@@ -178,17 +186,22 @@ def rank_body(rank: int, world: int, model_dir: str, batches: list[int], context
                 _reset_all_gather(model)
                 pool.close()
                 pool = None
-            residency = set_resident_units(model, -1 if mode in ("resident", "shared") else 0,
-                                           shared=mode == "shared")
+            residency = set_resident_units(model, -1 if mode in RESIDENT_MODES else 0,
+                                           shared=mode in ("shared", "compiled"))
             if mode.startswith("prefetch") or mode == "shm":
                 enable_forward_prefetch(model, depth=int(mode.removeprefix("prefetch").removeprefix("shm") or 2))
             if mode == "shm":
                 pool = enable_shared_memory_all_gather(model, slots=slots_for_depth(2))
                 assert pool is not None, "shared memory all-gather not available"
+            if mode == "compiled" and compiled is None:
+                from server.engine.compiled import CompiledDecode
+
+                compiled = CompiledDecode(model)
             results = out["modes"].setdefault(mode, {"resident_extra_bytes": residency.extra_bytes})
             for b in batches:
                 timing = time_decode(model, rank, b, context, steps, vocab,
-                                     profile_dir and os.path.join(profile_dir, f"{mode}-b{b}-rank{rank}.prof"))
+                                     profile_dir and os.path.join(profile_dir, f"{mode}-b{b}-rank{rank}.prof"),
+                                     compiled=compiled if mode == "compiled" else None)
                 if b not in results or timing["median_s"] < results[b]["median_s"]:
                     results[b] = timing
     disable_forward_prefetch(model)
@@ -232,7 +245,9 @@ def summarize(per_rank: list[dict], batches: list[int], modes: list[str]) -> dic
         for mode in modes:
             step_s = slowest(lambda r: r["modes"][mode][b]["median_s"])
             row[f"{mode}_s"] = round(step_s, 4)
-            row[f"{mode}_ratio"] = round(step_s / (unsharded_s if mode in ("resident", "shared") else floor_s), 3)
+            row[f"{mode}_ratio"] = round(step_s / (unsharded_s if mode in RESIDENT_MODES else floor_s), 3)
+            if mode == "compiled":  # the first warm-up compiled (the others found the graphs)
+                row["compiled_warm_up_s"] = round(slowest(lambda r: r["modes"][mode][b]["compile_s"]), 1)
         row["target_met"] = {mode: row[f"{mode}_ratio"] <= TARGETS.get(mode, DEFAULT_TARGET) for mode in modes}
         table[b] = row
     return table

@@ -61,6 +61,7 @@ def read_secret_file(path: str, what: str) -> bytes:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALL_GATHERS = ("auto", "shm", "group")
+COMPILE_MODES = ("none", "decode")  # server.engine.compiled
 TOOL_CALL_PARSERS = ("hermes",)  # server.api.openai.tools.FORMATS, checked there
 
 
@@ -253,6 +254,10 @@ class ServeConfig:
                              "shared copy per host; group: the process group's (gloo, NCCL), resident units copied "
                              "on every rank; auto: shm where every rank maps the same /dev/shm", "speed",
                              choices=ALL_GATHERS)
+    compile: str = option(
+        "none", "decode: decode-only steps run one torch.compile'd forward (inductor) instead of eager module calls "
+        "(needs every unit resident; compiled at startup while /ready says compiling, which on 2 CPU cores takes "
+        "about a minute for 2 layers and 11 for 24: experimental); none: eager", "speed", choices=COMPILE_MODES)
     resident_units: int | None = option(
         None, "units (in forward order) that keep their gathered parameters; all: every unit; auto: all where the "
         "shard group shares one host's memory (one shared copy per host, no more memory than the shards), else 0",

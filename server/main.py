@@ -117,7 +117,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
         state, http = _start_listening(cfg, source, mesh_shape)
     try:
         loaded = _load(cfg, source, hsdp, device, state, rank)
-        engine, per_rank = _shard_for_serving(loaded, cfg, device, mesh_shape, group)
+        engine, per_rank = _shard_for_serving(loaded, cfg, device, mesh_shape, group, state)
         groups = _step_groups(mesh_shape, group.residency)  # the same on every rank: residency is collective
         channels = control_channels(cfg.collective_timeout_s, groups)
         channel = next(c for c, ranks in zip(channels, groups) if rank in ranks)  # this rank's group's
@@ -183,9 +183,10 @@ def _load(cfg: ServeConfig, source, hsdp, device, state, rank: int):
     return loaded
 
 
-def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Group):
+def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Group, state=None):
     """Residency, prefetch and the all-gather ring as ``cfg`` asks, then the KV pool sized from what
-    is left; every rank, collectively. Returns this rank's engine and every rank's
+    is left, and with ``--compile decode`` the compiled decode forward (rank 0's ``state`` says
+    ``compiling`` meanwhile); every rank, collectively. Returns this rank's engine and every rank's
     ``(bytes read, resident bytes, KV blocks)``."""
     from server.engine import KVGeometry, RankEngine, size_kv_pool
     from server.group.memory import MemoryReport, release_freed_memory, tensor_bytes
@@ -208,6 +209,11 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
     per_rank = wire.all_gather([loaded.stats.bytes_read, residency.extra_bytes, available])
     engine = RankEngine(loaded.model, device, dist.get_rank(), num_blocks=available, block_size=cfg.kv_block_size,
                         tokenizer=loaded.tokenizer)
+    if cfg.compile == "decode":
+        if state is not None:
+            state.set_phase("compiling")
+        logger.info("compiling the decode forward (--compile decode)")
+        logger.info("decode forward compiled in %.1f s", engine.compile_decode())
     release_freed_memory()
     weights = shared_weights_of(loaded.model)
     # shards that are views of the host's shared copy are counted once, in its share
@@ -309,6 +315,8 @@ def _check_before_launch(cfg: ServeConfig, source) -> None:
     check_servable(load_config(source.path))  # a model the engine cannot serve is refused unread
     read_chat_template(cfg.chat_template)  # a --chat-template that is neither file nor template
 
+    if cfg.compile == "decode" and cfg.resident_units == 0:
+        raise ValueError("--compile decode needs every unit resident: --resident-units 0 gathers them every step")
     cfg.nproc_per_node = resolve_nproc_per_node(cfg.nproc_per_node, resolve_device_type(cfg.device))
     if not is_under_torchrun():
         cfg.mesh_config(cfg.nproc_per_node, cfg.nproc_per_node).resolve_mesh_shape(cfg.nproc_per_node)
@@ -340,6 +348,10 @@ def main(argv: list[str] | None = None) -> None:
         source = resolve_model_on_node(cfg.model, revision=cfg.revision)
         logger.info("serving %s (%s, %s)", cfg.served_model_name or source.name, source.kind, source.path)
         _check_before_launch(cfg, source)
+        if cfg.compile != "none":
+            from server.engine.compiled import inductor_cache_dir
+
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
         launch_group(serve_rank, (cfg, source), nproc_per_node=cfg.nproc_per_node, log_level=cfg.log_level,
                      shutdown_timeout_s=int(cfg.shutdown_timeout_s) + 15, title="hsdp-serve")
     except GroupError as e:

@@ -95,7 +95,8 @@ class _DecodeGroup:
         tables_SB = torch.zeros(len(tables), width, dtype=torch.long)
         for i, table in enumerate(tables):
             tables_SB[i, : min(len(table), width)] = table[:width]
-        slots_SL = (tables_SB[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :longest]
+        positions = torch.arange(longest)  # a fresh [S, L] tensor: the same strides at every S (compiled guards)
+        slots_SL = tables_SB[:, positions // block_size] * block_size + positions % block_size
         self.rows_S = torch.tensor(rows, dtype=torch.long, device=device)
         self.slots_SL = slots_SL.to(device)
         self.valid_SL = (torch.arange(longest)[None, :] < torch.tensor(contexts)[:, None]).to(device)
@@ -233,11 +234,13 @@ def _attend_decode(group: _DecodeGroup, query_HTd, key_HNd, value_HNd, scale: fl
     heads, _, dim = query_HTd.shape
     kv_heads, value_dim = key_HNd.shape[0], value_HNd.shape[-1]
     groups = heads // kv_heads
-    num_seqs, length = group.slots_SL.shape
+    num_seqs = group.slots_SL.shape[0]
     # queries [Hkv, S, G, d]: the G query heads sharing a key head, per sequence
     q = query_HTd.index_select(1, group.rows_S).view(kv_heads, groups, num_seqs, dim).transpose(1, 2)
-    k = key_HNd.index_select(1, group.slots_SL.flatten()).view(kv_heads, num_seqs, length, dim)
-    v = value_HNd.index_select(1, group.slots_SL.flatten()).view(kv_heads, num_seqs, length, value_dim)
+    # [Hkv, S, L, d] by indexing with the [S, L] slots (no view over S x L: a compiled forward's
+    # symbolic shapes stay simple)
+    k = key_HNd[:, group.slots_SL]
+    v = value_HNd[:, group.slots_SL]
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [Hkv, S, G, L]
     # head = kv_head * G + g
     probs = variant.probabilities(scores, group.valid(variant.window)[None, :, None, :], (kv_heads, 1, groups, 1))

@@ -124,6 +124,7 @@ class RankEngine:
         self._prompt_logprobs: list[PromptLogprobs] = []  # this step's, for the step's result
         self.fault_at = _injected_fault(rank)
         self.delay_s = _injected_delay(rank)
+        self.compiled = None  # a server.engine.compiled.CompiledDecode: decode-only forwards go through it
         self.memory = None  # a server.group.memory.MemoryReport, reported every few seconds
         self._reported_at = 0.0
         self._trimmed_at, self._forwards_at_trim = 0.0, 0
@@ -193,7 +194,9 @@ class RankEngine:
         layout = PagedLayout.build(items, self.block_size, self.device)
         self.cache.layout = layout
         keep = sample_rows + [row + i for _, row, _, count in scored for i in range(count)]
-        out = self.model(
+        decode_only = not layout.prefill and not scored
+        forward = self.compiled.forward if self.compiled is not None and decode_only else self.model
+        out = forward(
             input_ids=torch.tensor([ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
             cache=self.cache,
@@ -238,6 +241,17 @@ class RankEngine:
             seq.num_generated += 1
             results.append(TokenResult(seq.seq_id, token, logprob, top, stop=stop))
         return results
+
+    def compile_decode(self) -> float:
+        """``--compile decode``: decode-only forwards from now on go through a compiled forward
+        (:mod:`server.engine.compiled`), compiled now; returns the seconds it took. Raises
+        CompileUnavailable with the reason where it cannot be."""
+        from server.engine.compiled import CompiledDecode
+
+        compiled = CompiledDecode(self.model)
+        seconds = compiled.warm_up(self.cache, self.block_size, self.device)
+        self.compiled = compiled
+        return seconds
 
     def _start_grammar(self, seq: _Sequence) -> None:
         """Build a new sequence's matcher off the step, while the forward runs (a failure to is

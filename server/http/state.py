@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-PHASES = ("loading", "warming_up", "ready", "draining", "failed")
+PHASES = ("loading", "compiling", "warming_up", "ready", "draining", "failed")
 LOAD_PROGRESS_KEY = "hsdp/load-progress/"
 """Each rank's ``done,total`` checkpoint bytes while loading, in the group's store."""
 

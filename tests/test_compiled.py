@@ -1,0 +1,119 @@
+"""``--compile decode``: FSDP2's hooks out of resident forwards, the compiled decode forward equal
+to eager token for token, no compilation after the warm-up, refusals named."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from tests.dist import run_ranks, values
+from tests.server_process import REPO
+
+
+def _hooks_out_and_back(rank, world_size, path):
+    from loaders import load_hsdp_model
+    from shard_engine import HSDPInferenceConfig, set_resident_units
+    from shard_engine.direct import DirectForward, direct_forward_refusal
+    from shard_engine.units import fsdp_units
+
+    loaded = load_hsdp_model(path, HSDPInferenceConfig(), dtype=torch.float32)
+    model = loaded.model
+    set_resident_units(model, 0)
+    refused = direct_forward_refusal(model)
+    set_resident_units(model, -1)
+    hooks = [(list(u._forward_pre_hooks), list(u._forward_hooks)) for u in fsdp_units(model)]
+    ids = torch.tensor([[5, 9, 2, 7, 1, 3]])
+    with torch.no_grad():
+        hooked = model(input_ids=ids).logits
+        direct = DirectForward(model)
+        with direct():
+            inside = [(len(u._forward_pre_hooks), len(u._forward_hooks)) for u in fsdp_units(model)]
+            unhooked = model(input_ids=ids).logits
+    after = [(list(u._forward_pre_hooks), list(u._forward_hooks)) for u in fsdp_units(model)]
+    return {"refused": refused, "hooks_before": [tuple(map(len, h)) for h in hooks], "inside": inside,
+            "restored": after == hooks, "equal": torch.equal(hooked, unhooked)}
+
+
+def test_direct_forward_takes_fsdp_hooks_out_and_puts_them_back(tmp_path):
+    from tests.checkpoints import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "llama", "llama")
+    for r in values(run_ranks(_hooks_out_and_back, 2, tmp_path, path, timeout=240)):
+        assert r["refused"] is not None and "not resident" in r["refused"], r
+        assert all(pre >= 1 and post >= 1 for pre, post in r["hooks_before"]), r
+        assert all(pre == before[0] - 1 and post == before[1] - 1
+                   for (pre, post), before in zip(r["inside"], r["hooks_before"])), r
+        assert r["restored"] and r["equal"], r
+
+
+def _decode_eager_and_compiled(rank, world_size, paths):
+    """Each model through the engine twice, eagerly and compiled: four sequences of different
+    lengths (the batch shrinks to one), a fifth arriving mid-decode (steps with a prompt chunk
+    run eagerly between compiled ones)."""
+    import torch._dynamo.utils
+
+    from loaders import load_hsdp_model
+    from shard_engine import HSDPInferenceConfig, set_resident_units
+    from server.engine.compiled import WARM_UP_CONTEXTS
+    from tests.test_engine import Harness
+
+    out = {}
+    for family, path in paths.items():
+        loaded = load_hsdp_model(path, HSDPInferenceConfig(), dtype=torch.float32)
+        set_resident_units(loaded.model, -1, shared=True)
+        got = {}
+        for mode in ("eager", "compiled"):
+            harness = Harness(loaded.model, blocks=128, block_size=4, prefill=16)
+            harness.scheduler.eos_token_ids = set()
+            graphs = None
+            if mode == "compiled":
+                harness.engines[0].compile_decode()
+                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            gen = torch.Generator().manual_seed(rank)
+            prompts = [torch.randint(3, loaded.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 14, 21, 5)]
+            outs = [harness.submit(p, 6 + 5 * i) for i, p in enumerate(prompts)]
+            harness.run(lambda: harness.steps >= 4)
+            outs.append(harness.submit(prompts[0][:7], 8))
+            harness.run(lambda: all(o["finish"] is not None or o["error"] for o in outs))
+            got[mode] = [o["tokens"] for o in outs]
+            if graphs is not None:
+                got["compiled_after_warm_up"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+                got["errors"] = [o["error"] for o in outs]
+                got["compiled_steps"] = harness.engines[0].compiled.calls - len(WARM_UP_CONTEXTS)
+                got["steps"] = harness.steps
+        set_resident_units(loaded.model, 0)
+        out[family] = got
+    return out
+
+
+def test_compiled_decode_equals_eager_token_for_token(tmp_path):
+    """Gemma 2 (soft-capping, windows on alternate layers, its own scaling: the most variants of
+    one family; a compile costs a minute on CI's cores, so one family here, the plain path in
+    benchmarks/step.py's compiled mode), sharded over 2 ranks, one shared resident copy (the CPU
+    default): greedy tokens equal to eager's, most steps compiled, nothing compiled after the
+    warm-up."""
+    from tests.test_families import _write
+
+    paths = {family: _write(family, tmp_path / family) for family in ("gemma2",)}
+    for by_family in values(run_ranks(_decode_eager_and_compiled, 2, tmp_path, paths, timeout=600)):
+        for family, got in by_family.items():
+            assert got["errors"] == [None] * 5, (family, got)
+            assert got["compiled"] == got["eager"], family
+            assert got["compiled_after_warm_up"] == 0, (family, got)
+            assert got["compiled_steps"] > got["steps"] // 2, (family, got)
+
+
+def test_compile_decode_with_nothing_resident_is_refused_before_launch(tmp_path):
+    from tests.checkpoints import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "llama", "llama")
+    proc = subprocess.run([sys.executable, "-m", "server", "--model", str(path), "--device", "cpu", "--compile",
+                           "decode", "--resident-units", "0"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hsdp-serve: ")]
+    assert proc.returncode == 2 and errors == [
+        "hsdp-serve: --compile decode needs every unit resident: --resident-units 0 gathers them every step"], \
+        proc.stderr[-2000:]
