@@ -22,8 +22,13 @@ from collections.abc import Iterator
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from shard_engine.torch_private import casts_outputs, forward_hooks, is_gathered, param_group, \
-    reshards_after_forward
+from shard_engine.torch_private import (
+    casts_outputs,
+    forward_hooks,
+    is_gathered,
+    param_group,
+    reshards_after_forward,
+)
 from shard_engine.units import fsdp_units
 
 

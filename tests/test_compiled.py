@@ -56,8 +56,8 @@ def _decode_eager_and_compiled(rank, world_size, paths):
     import torch._dynamo.utils
 
     from loaders import load_hsdp_model
-    from shard_engine import HSDPInferenceConfig, set_resident_units
     from server.engine.compiled import WARM_UP_CONTEXTS
+    from shard_engine import HSDPInferenceConfig, set_resident_units
     from tests.test_engine import Harness
 
     out = {}

@@ -19,7 +19,6 @@ traces again but compiles less.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 
@@ -30,8 +29,6 @@ WARM_UP_CONTEXTS = ((5,), (7, 9, 11))
 """The decode forwards warm-up runs, as the contexts of their sequences: one alone (a batch of
 one is its own graph), then three (none equal to another size of the graph, which inductor would
 otherwise take for a constant relation)."""
-
-logger = logging.getLogger(__name__)
 
 
 class CompileUnavailable(RuntimeError):
@@ -59,9 +56,7 @@ class CompiledDecode:
         except ValueError as e:
             raise CompileUnavailable(f"--compile decode: {e} (every unit must be resident: --resident-units all, "
                                      "or auto on CPU ranks of one host)") from None
-        self.model = model
         self._compiled = torch.compile(model.forward, dynamic=True)
-        self.compile_s = 0.0
         self.calls = 0  # decode forwards run compiled, warm-up included
 
     def forward(self, **kwargs):
@@ -90,10 +85,9 @@ class CompiledDecode:
                                  position_ids=torch.tensor([[c - 1 for c in contexts]], device=device),
                                  cache=cache, use_cache=True,
                                  logits_to_keep=torch.arange(len(contexts), device=device), hsdp_paged=layout)
-            except Exception as e:  # noqa: BLE001 - a compiler missing or failing: one named error at startup
+            except Exception as e:
                 raise CompileUnavailable(f"--compile decode: torch.compile failed ({type(e).__name__}: "
                                          f"{str(e).splitlines()[0] if str(e) else ''})") from e
             finally:
                 cache.layout = None
-        self.compile_s = time.monotonic() - start
-        return self.compile_s
+        return time.monotonic() - start
