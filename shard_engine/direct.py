@@ -50,9 +50,9 @@ def direct_forward_refusal(model: nn.Module) -> str | None:
 
 
 class DirectForward:
-    """``with DirectForward(model):`` runs forwards of ``model`` without FSDP2's forward hooks.
-    Built once (it finds the hooks); raises ValueError with :func:`direct_forward_refusal`'s
-    reason where the model needs them."""
+    """``direct = DirectForward(model)`` once (it finds the hooks; ValueError with
+    :func:`direct_forward_refusal`'s reason where the model needs them), then ``with direct():``
+    runs forwards of ``model`` without FSDP2's forward hooks."""
 
     def __init__(self, model: nn.Module):
         why = direct_forward_refusal(model)
