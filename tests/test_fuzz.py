@@ -2,7 +2,6 @@
 while the model loads and once it serves, with an API key set."""
 
 import collections
-import time
 
 import httpx
 import pytest
@@ -10,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.checkpoints import write_checkpoint
 from tests.server_process import ServerProcess
+from tests.waiting import wait_until
 
 EXAMPLES_PER_OPERATION = 25
 EXAMPLES_WHILE_LOADING = 3
@@ -53,13 +53,13 @@ def test_schema_fuzz_finds_no_server_error(tmp_path):
     server = ServerProcess(path, log_path=tmp_path / "log", env={"HSDP_INJECT_LOAD_DELAY": "0.05"},
                            extra_args=("--max-total-tokens", "64", "--api-key", KEY))
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        def health_answers() -> bool:
             try:
-                if server.client.get("/health", timeout=2).status_code == 200:
-                    break
+                return server.client.get("/health", timeout=2).status_code == 200
             except httpx.TransportError:
-                time.sleep(0.05)
+                return False
+
+        wait_until(health_answers, 120, "/health answering 200 while the model loads")
         schema = schemathesis.openapi.from_url(server.url + "/openapi.json", headers=AUTH)
         statuses: collections.Counter = collections.Counter()
         server_errors = []
