@@ -69,10 +69,8 @@ def time_decode(model, rank: int, batch: int, context: int, steps: int, vocab: i
     # every rank runs the same plans on its own (rank 0 of its own one-rank scheduler), so the
     # forwards, hence the collectives inside them, stay matched
     engine = RankEngine(model, torch.device("cpu"), 0, num_blocks=blocks, block_size=block_size)
-    compile_s = None
-    if compiled is not None:  # one CompiledDecode per model: compiled by its first warm-up, reused after
-        compile_s = compiled.warm_up(engine.cache, block_size, engine.device)
-        engine.compiled = compiled
+    # one CompiledDecode per model: compiled by its first warm-up, reused after
+    compile_s = engine.compile_decode(compiled) if compiled is not None else None
     scheduler = Scheduler(pools=[BlockPool(blocks, block_size, prefix_caching=False)], replicas=[[0]],
                           max_running=batch, max_total_tokens=context + steps + 16, eos_token_ids=set(),
                           max_prefill_tokens=batch * context, idle_wait_s=0.01)

@@ -242,13 +242,14 @@ class RankEngine:
             results.append(TokenResult(seq.seq_id, token, logprob, top, stop=stop))
         return results
 
-    def compile_decode(self) -> float:
+    def compile_decode(self, compiled=None) -> float:
         """``--compile decode``: decode-only forwards from now on go through a compiled forward
-        (:mod:`server.engine.compiled`), compiled now; returns the seconds it took. Raises
-        CompileUnavailable with the reason where it cannot be."""
+        (:mod:`server.engine.compiled`; ``compiled``, a CompiledDecode of this engine's model that
+        an earlier engine warmed up, or a new one), warmed up in this engine's KV pool now;
+        returns the seconds it took. Raises CompileUnavailable with the reason where it cannot be."""
         from server.engine.compiled import CompiledDecode
 
-        compiled = CompiledDecode(self.model)
+        compiled = compiled or CompiledDecode(self.model)
         seconds = compiled.warm_up(self.cache, self.block_size, self.device)
         self.compiled = compiled
         return seconds
