@@ -1,6 +1,6 @@
 """The sharded decode step against its floor, on CPU ranks (gloo).
 
-    python -m benchmarks.step [--model DIR] [--nproc 2] [--batches 1,16] [--context 48] [--steps 24]
+    python -m benchmarks.step [--model DIR|deep-tiny] [--nproc 2] [--batches 1,16] [--context 48] [--steps 24]
                               [--modes sharded,prefetch1,prefetch,shm,resident] [--repeats 3] [--profile DIR]
 
 Each rank loads the checkpoint sharded (load_hsdp_model), owns ``batch`` sequences of ``context``
@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from benchmarks.models import bench_checkpoint, compute_dtype, parameter_count
+from benchmarks.models import bench_checkpoint, compute_dtype, deep_tiny_checkpoint, parameter_count
 from tests.dist import run_ranks, values
 
 MODES = ("sharded", "prefetch1", "prefetch", "shm", "resident", "shared", "compiled")
@@ -57,15 +57,17 @@ def log(msg: str) -> None:
 
 
 def time_decode(model, rank: int, batch: int, context: int, steps: int, vocab: int, profile_path=None,
-                compiled=None) -> dict:
+                compiled=None, pool_batch: int | None = None) -> dict:
     """Median seconds per decode step of ``batch`` sequences on this rank: the real engine's step
     (a local scheduler's plan, the rank engine's packed forward over the paged KV cache, batched
-    sampling, the scheduler taking the tokens back)."""
+    sampling, the scheduler taking the tokens back). The KV pool is sized for ``pool_batch``
+    sequences (default ``batch``): one size for every batch of a run, as the server's pool is,
+    so a compiled forward is not compiled again for a new pool."""
     from server.engine import BlockPool, RankEngine, RequestHandle, SamplingParams, Scheduler
 
     gen = torch.Generator().manual_seed(1234 + rank)
     block_size = 16
-    blocks = batch * (-(-(context + steps + 8) // block_size) + 1)
+    blocks = (pool_batch or batch) * (-(-(context + steps + 8) // block_size) + 1)
     # every rank runs the same plans on its own (rank 0 of its own one-rank scheduler), so the
     # forwards, hence the collectives inside them, stay matched
     engine = RankEngine(model, torch.device("cpu"), 0, num_blocks=blocks, block_size=block_size)
@@ -199,7 +201,7 @@ def rank_body(rank: int, world: int, model_dir: str, batches: list[int], context
             for b in batches:
                 timing = time_decode(model, rank, b, context, steps, vocab,
                                      profile_dir and os.path.join(profile_dir, f"{mode}-b{b}-rank{rank}.prof"),
-                                     compiled=compiled if mode == "compiled" else None)
+                                     compiled=compiled if mode == "compiled" else None, pool_batch=max(batches))
                 if b not in results or timing["median_s"] < results[b]["median_s"]:
                     results[b] = timing
     disable_forward_prefetch(model)
@@ -253,7 +255,8 @@ def summarize(per_rank: list[dict], batches: list[int], modes: list[str]) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.step", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="checkpoint directory (default: the 80M bench Llama, generated once)")
+    parser.add_argument("--model", help="checkpoint directory, or deep-tiny (the 24-layer 1M Llama, "
+                        "benchmarks.models.deep_tiny_checkpoint) (default: the 80M bench Llama; each generated once)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--batches", default="1,16", help="per-rank batch sizes (default 1,16)")
     parser.add_argument("--context", type=int, default=48, help="prompt tokens per sequence (default 48)")
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}")
-    model_dir = args.model or bench_checkpoint()
+    model_dir = deep_tiny_checkpoint() if args.model == "deep-tiny" else args.model or bench_checkpoint()
     dtype = compute_dtype(args.dtype)
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)

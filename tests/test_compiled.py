@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.dist import run_ranks, values
@@ -117,3 +118,52 @@ def test_compile_decode_with_nothing_resident_is_refused_before_launch(tmp_path)
     assert proc.returncode == 2 and errors == [
         "hsdp-serve: --compile decode needs every unit resident: --resident-units 0 gathers them every step"], \
         proc.stderr[-2000:]
+
+
+def _decode_by_hand(q_HSd, k_HNd, v_HNd, slots_SL, contexts_S, scale, window, softcap, sinks_H):
+    """The decode attention one sequence and one head at a time, as the models' eager attention
+    computes it."""
+    heads, num_seqs, _ = q_HSd.shape
+    groups = heads // k_HNd.shape[0]
+    out = torch.empty(num_seqs, heads, v_HNd.shape[-1])
+    for s in range(num_seqs):
+        context = int(contexts_S[s])
+        first = max(0, context - window) if window else 0
+        slots = slots_SL[s, first:context]
+        for h in range(heads):
+            keys, vals = k_HNd[h // groups, slots], v_HNd[h // groups, slots]
+            scores = (keys @ q_HSd[h, s]) * scale
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            if sinks_H is not None:
+                scores = torch.cat([scores, sinks_H[h:h + 1]])
+            probs = torch.softmax(scores, dim=0)[:len(slots)]
+            out[s, h] = probs @ vals
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
+def test_paged_decode_op_is_well_formed_and_computes_each_variant(heads, kv_heads):
+    """``torch.ops.hsdp.paged_decode``: its schema, fake implementation and compile's view of it
+    (strides included) agree with what it computes (torch.library.opcheck), and it equals
+    attention by hand for plain, windowed, soft-capped and sinks layers, grouped query heads or
+    not, values of another dim."""
+    from server.engine import kernels
+
+    g = torch.Generator().manual_seed(0)
+    dim, value_dim, slots = 8, 6, 64
+    contexts = torch.tensor([5, 17, 9])
+    longest = int(contexts.max())
+    slots_SL = torch.randperm(slots, generator=g)[:3 * longest].view(3, longest)
+    valid_SL = torch.arange(longest)[None, :] < contexts[:, None]
+    q = torch.randn(heads, 3, dim, generator=g)
+    k, v = torch.randn(kv_heads, slots, dim, generator=g), torch.randn(kv_heads, slots, value_dim, generator=g)
+    variants = ((kernels.NO_WINDOW, kernels.NO_SOFTCAP, None), (4, kernels.NO_SOFTCAP, None),
+                (kernels.NO_WINDOW, 3.0, None), (6, 2.0, torch.randn(heads, generator=g)))
+    for window, softcap, sinks in variants:
+        args = (q, k, v, slots_SL, valid_SL, torch.arange(longest), contexts, 0.3, window, softcap, sinks)
+        torch.library.opcheck(torch.ops.hsdp.paged_decode.default, args)
+        got = torch.ops.hsdp.paged_decode(*args)
+        want = _decode_by_hand(q, k, v, slots_SL, contexts, 0.3, window, softcap, sinks)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"window {window}, softcap {softcap}")
+        assert got.is_contiguous(), got.stride()  # what the fake implementation promises

@@ -6,8 +6,10 @@ call: ``update`` writes the row's keys and values into their slots of the pool, 
 attention function (registered with transformers as ``hsdp_paged``) reads each sequence's keys
 from its own blocks:
 
-* decoding sequences (one query each) together: their keys gathered with ``index_select`` into
-  [kv heads, sequences, longest context, dim], two batched matmuls and a float32 softmax;
+* decoding sequences (one query each) together, in one op (``torch.ops.hsdp.paged_decode``,
+  :mod:`server.engine.kernels`, which a compiled forward does not trace into): their keys
+  gathered by slot into [kv heads, sequences, longest context, dim], two batched matmuls and a
+  float32 softmax;
 * each prefill chunk alone, with SDPA over its own context and a [chunk, context] causal mask.
 
 Memory per layer is O(the tokens attended), never O(row x all keys): the chunk cap
@@ -31,6 +33,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+
+from server.engine.kernels import NO_SOFTCAP, NO_WINDOW, probabilities
 
 ATTN_IMPLEMENTATION = "hsdp_paged"
 EXPLICIT_SCORES_BYTES = 64 << 20
@@ -102,12 +106,6 @@ class _DecodeGroup:
         self.valid_SL = (torch.arange(longest)[None, :] < torch.tensor(contexts)[:, None]).to(device)
         self.positions_L = torch.arange(longest, device=device)
         self.contexts_S = torch.tensor(contexts, device=device)
-
-    def valid(self, window: int | None) -> torch.Tensor:
-        """[S, L]: the keys each decoding query sees (its own position is its context - 1)."""
-        if window is None:
-            return self.valid_SL
-        return self.valid_SL & (self.positions_L[None, :] >= (self.contexts_S - window)[:, None])
 
 
 class _Chunk:
@@ -215,37 +213,19 @@ class _Variant:
         self.sinks_H = sinks_H
 
     def probabilities(self, scores, valid, sinks_shape: tuple[int, ...]) -> torch.Tensor:
-        """Softmax over float32 ``scores`` (keys last) where ``valid``, after soft-capping, with the
-        sinks' extra logit per head (viewed as ``sinks_shape``, broadcast over the keys) taking
-        its share, as the models' eager attention does."""
-        if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        scores = scores.masked_fill(~valid, float("-inf"))
-        if self.sinks_H is None:
-            return torch.softmax(scores, dim=-1)
-        sinks = self.sinks_H.float().view(sinks_shape).expand(*scores.shape[:-1], 1)
-        combined = torch.cat([scores, sinks], dim=-1)
-        combined = combined - combined.amax(dim=-1, keepdim=True)
-        return torch.softmax(combined, dim=-1)[..., :-1]
+        """:func:`server.engine.kernels.probabilities` with this layer's soft-cap and sinks."""
+        return probabilities(scores, valid, self.softcap, self.sinks_H, sinks_shape)
 
 
 def _attend_decode(group: _DecodeGroup, query_HTd, key_HNd, value_HNd, scale: float, variant: _Variant,
                    out_THd) -> None:
-    heads, _, dim = query_HTd.shape
-    kv_heads, value_dim = key_HNd.shape[0], value_HNd.shape[-1]
-    groups = heads // kv_heads
-    num_seqs = group.slots_SL.shape[0]
-    # queries [Hkv, S, G, d]: the G query heads sharing a key head, per sequence
-    q = query_HTd.index_select(1, group.rows_S).view(kv_heads, groups, num_seqs, dim).transpose(1, 2)
-    # [Hkv, S, L, d] by indexing with the [S, L] slots (no view over S x L: a compiled forward's
-    # symbolic shapes stay simple)
-    k = key_HNd[:, group.slots_SL]
-    v = value_HNd[:, group.slots_SL]
-    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [Hkv, S, G, L]
-    # head = kv_head * G + g
-    probs = variant.probabilities(scores, group.valid(variant.window)[None, :, None, :], (kv_heads, 1, groups, 1))
-    out = torch.matmul(probs.to(v.dtype), v)  # [Hkv, S, G, dv]
-    out_THd.index_copy_(0, group.rows_S, out.permute(1, 0, 2, 3).reshape(num_seqs, heads, value_dim))
+    # one opaque op (torch.compile does not trace into it: see server.engine.kernels)
+    out = torch.ops.hsdp.paged_decode(
+        query_HTd.index_select(1, group.rows_S), key_HNd, value_HNd, group.slots_SL, group.valid_SL,
+        group.positions_L, group.contexts_S, float(scale),
+        variant.window if variant.window is not None else NO_WINDOW,
+        variant.softcap if variant.softcap is not None else NO_SOFTCAP, variant.sinks_H)
+    out_THd.index_copy_(0, group.rows_S, out)
 
 
 def _attend_chunk(chunk: _Chunk, query_HTd, key_HNd, value_HNd, scale: float, variant: _Variant, out_THd) -> None:

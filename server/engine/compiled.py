@@ -61,7 +61,10 @@ class CompiledDecode:
 
     def forward(self, **kwargs):
         self.calls += 1
-        with self._direct():
+        # specialize_float: the modules' float attributes (norm epsilons, scales) are constants.
+        # As symbolic floats, torch 2.13 traced every graph twice (its pass that turns them into
+        # tensors gave up and restarted the analysis with them specialized): half the compile.
+        with self._direct(), torch._dynamo.config.patch(specialize_float=True):
             return self._compiled(**kwargs)
 
     def warm_up(self, cache, block_size: int, device: torch.device) -> float:

@@ -1,0 +1,77 @@
+"""Attention kernels behind ``torch.library`` custom ops: one opaque call per layer.
+
+``torch.ops.hsdp.paged_decode`` is the decode attention of :mod:`server.engine.attention` (every
+decoding sequence's one query against its own keys in the paged pool). It is an op, not inline
+tensor code, for two reasons:
+
+* ``torch.compile`` does not trace into it. A compiled decode forward then sees one dynamic
+  size, the number of sequences; each sequence's context length (which changes every step) is
+  only a size of the op's inputs, never of anything the graph computes. Traced inline, the
+  contexts' symbolic sizes through gathers, matmuls, masks and softmax cost torch's symbolic-shape
+  machinery minutes per deep model at startup (``ShapeEnv.simplify``).
+* A device's own kernel (a paged FlashAttention, FlexAttention) can stand behind the same
+  signature without the model code or the compiled graph changing.
+
+The implementation here is the engine's reference, in torch ops on any device: gather the
+sequences' keys and values by slot ([kv heads, sequences, longest context, dim]), two batched
+matmuls, a float32 softmax, with the layer's variant: a sliding window, logit soft-capping, sinks,
+its own scale, values of another head dim than keys. Eager and compiled forwards call the same op,
+so they compute attention with the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NO_WINDOW = 0
+NO_SOFTCAP = 0.0
+"""How "the layer has none" is spelled in the op's arguments (a schema has no optional scalars
+that compile keeps constant as cheaply)."""
+
+
+def probabilities(scores, valid, softcap: float | None, sinks_H, sinks_shape: tuple[int, ...]) -> torch.Tensor:
+    """Softmax over float32 ``scores`` (keys last) where ``valid``, after soft-capping, with the
+    sinks' extra logit per head (viewed as ``sinks_shape``, broadcast over the keys) taking its
+    share, as the models' eager attention does."""
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~valid, float("-inf"))
+    if sinks_H is None:
+        return torch.softmax(scores, dim=-1)
+    sinks = sinks_H.float().view(sinks_shape).expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores, sinks], dim=-1)
+    combined = combined - combined.amax(dim=-1, keepdim=True)
+    return torch.softmax(combined, dim=-1)[..., :-1]
+
+
+@torch.library.custom_op("hsdp::paged_decode", mutates_args=())
+def paged_decode(query_HSd: torch.Tensor, key_HNd: torch.Tensor, value_HNd: torch.Tensor, slots_SL: torch.Tensor,
+                 valid_SL: torch.Tensor, positions_L: torch.Tensor, contexts_S: torch.Tensor, scale: float,
+                 window: int, softcap: float, sinks_H: torch.Tensor | None) -> torch.Tensor:
+    """Decode attention: ``query_HSd`` [heads, sequences, d], one query per sequence at position
+    context - 1; ``key_HNd``/``value_HNd`` a layer's whole pool [kv heads, slots, d / dv];
+    ``slots_SL`` [S, L] the slots of each sequence's positions 0..L-1 (L its longest context),
+    ``valid_SL`` which of them it has, ``positions_L`` = arange(L), ``contexts_S`` each one's
+    context; ``window`` / ``softcap`` :data:`NO_WINDOW` / :data:`NO_SOFTCAP` where the layer has
+    none; ``sinks_H`` one logit per head or None. Returns [S, heads, dv]."""
+    heads, num_seqs, dim = query_HSd.shape
+    kv_heads, value_dim = key_HNd.shape[0], value_HNd.shape[-1]
+    groups = heads // kv_heads
+    q = query_HSd.view(kv_heads, groups, num_seqs, dim).transpose(1, 2)  # [Hkv, S, G, d]; head = kv_head * G + g
+    k = key_HNd[:, slots_SL]  # [Hkv, S, L, d]
+    v = value_HNd[:, slots_SL]
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [Hkv, S, G, L]
+    valid = valid_SL
+    if window != NO_WINDOW:
+        valid = valid & (positions_L[None, :] >= (contexts_S - window)[:, None])
+    probs = probabilities(scores, valid[None, :, None, :], softcap if softcap != NO_SOFTCAP else None, sinks_H,
+                          (kv_heads, 1, groups, 1))
+    out = torch.matmul(probs.to(v.dtype), v)  # [Hkv, S, G, dv]
+    # contiguous: the strides the fake implementation promises (a reshape may return a view)
+    return out.permute(1, 0, 2, 3).reshape(num_seqs, heads, value_dim).contiguous()
+
+
+@paged_decode.register_fake
+def _(query_HSd, key_HNd, value_HNd, slots_SL, valid_SL, positions_L, contexts_S, scale, window, softcap, sinks_H):
+    heads, num_seqs, _ = query_HSd.shape
+    return query_HSd.new_empty(num_seqs, heads, value_HNd.shape[-1])
