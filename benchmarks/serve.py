@@ -285,10 +285,17 @@ def summarize(outcomes: list[Outcome]) -> dict:
     }
 
 
+CLIENT_KEEPALIVE_S = 2.0
+"""How long the load generators keep an idle connection for its next request: under the servers'
+keep-alive timeouts (hsdp-serve's and uvicorn's 5 s). httpx's default is those same 5 s, so a
+request could go out on a connection the server was closing at that instant and fail with a
+ReadError before the server read a byte of it (seen once in a 20-minute soak)."""
+
+
 async def run_scenarios(server: Server, endpoint: str, scenarios: list[tuple[str, float]], args) -> dict:
     prompts = make_prompts(256)
     request = tgi_request if (endpoint == "tgi" and server.name != "transformers") else openai_request
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024, keepalive_expiry=CLIENT_KEEPALIVE_S)
     results = {}
     async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as client:
         async def send(prompt: str) -> Outcome:

@@ -57,8 +57,8 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from benchmarks.models import bench_checkpoint, compute_dtype
-from benchmarks.serve import Outcome, build_server, closed_loop, make_prompts, openai_request, percentile, poisson, \
-    summarize
+from benchmarks.serve import CLIENT_KEEPALIVE_S, Outcome, build_server, closed_loop, make_prompts, openai_request, \
+    percentile, poisson, summarize
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "tgi_stream": "/generate_stream",
          "tgi": "/generate"}
@@ -388,7 +388,7 @@ async def find_capacity(url: str, levels: list[int], step_s: float, max_new_toke
     """Closed loops of streamed /v1/completions clients, a level at a time, until requests/s
     grows by less than 10% over the best so far."""
     prompts = make_prompts(256, seed=1)
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024, keepalive_expiry=CLIENT_KEEPALIVE_S)
     steps, best, plateau = [], 0.0, False
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
         for c in levels:
@@ -427,7 +427,7 @@ async def run_load(url: str, port: int, phase: str, rate: float, duration_s: flo
     prompts = make_prompts(512, seed=2)
     malformed = malformed_bodies()
     counter = iter(range(10**9))
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512, keepalive_expiry=CLIENT_KEEPALIVE_S)
     timeout = httpx.Timeout(args.request_timeout, connect=10)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
         async def one(prompt: str) -> Record:
