@@ -30,8 +30,10 @@ The allocator (glibc), set by :func:`tune_allocator` when a rank starts, and why
   above. Rank 0 works on threads (HTTP, the step drivers, tokenizing, grammars): measured on the
   80M bench Llama after a 150 s soak (``python -m benchmarks.soak``), its PSS stayed 190 MB above
   idle, the growth in four thread arenas of 35-47 MB each, against 26 MB with one arena (and
-  tracemalloc found 1.8 MB of Python objects left). The threads then share one lock: the
-  serving benchmark's throughput was unchanged (RESULTS.md, session 10).
+  tracemalloc found 1.8 MB of Python objects left); after the 20-minute soak +30 MB against +84
+  MB. The threads then share one lock: the serving benchmark's throughput was unchanged; whether
+  it adds to the soak's TTFT tail (p99 ratio 3.14 against 2.69, one run each) is not settled
+  (RESULTS.md, session 10).
 * Rank 0's HTTP side allocates without the engine working: a request refused before it reaches
   the engine (a prompt of 60k words tokenized, then 400) leaves its tokenizer buffers in the
   allocator of the thread that tokenized it, and its connection's buffers in reference cycles
