@@ -69,11 +69,11 @@ print((process_memory()["anon"] - before) >> 20)
 """
 
 
-@pytest.mark.parametrize("arenas", [None, "8"])
-def test_what_a_thread_freed_goes_back_with_one_arena(arenas):
+def test_what_a_thread_freed_goes_back_with_one_arena():
     """What a thread allocated and freed is given back by the trim when every thread shares the
-    main arena (the ranks' setting); with glibc's arena per thread (``MALLOC_ARENA_MAX=8``, the
-    setting before) its top stays resident."""
+    main arena (the ranks' setting, ``tune_allocator``). With glibc's arena per thread
+    (``MALLOC_ARENA_MAX=8``) this machine kept 61 MB of the 100 MB; another glibc (CI's) gave it
+    back by itself, so that contrast is a property of the C library, not asserted here."""
     import os
     import subprocess
     import sys
@@ -81,11 +81,6 @@ def test_what_a_thread_freed_goes_back_with_one_arena(arenas):
     from tests.server_process import REPO
 
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
-    if arenas:
-        env["MALLOC_ARENA_MAX"] = arenas
     kept_mb = int(subprocess.run([sys.executable, "-c", _THREAD_ARENA], cwd=REPO, env=env, capture_output=True,
                                  text=True, timeout=120, check=True).stdout.split()[-1])
-    if arenas:
-        assert kept_mb > 40, kept_mb  # the finding, reproduced (a 64 MB heap of the thread's arena stays)
-    else:
-        assert kept_mb < 20, kept_mb
+    assert kept_mb < 20, kept_mb
