@@ -255,6 +255,27 @@ def test_every_path_the_readme_layout_names_exists():
     assert not problems, "\n".join(problems)
 
 
+def unnamed_in_layout(text: str, modules: list[str]) -> list[str]:
+    """The product modules (repository paths) that no cell of the layout table names, by path or by
+    its path's tail (``rank.py``, ``_spawn_site/sitecustomize.py``): a newcomer reading the table would not know they exist."""
+    named = set()
+    for row in (line for line in section(text, "Layout").splitlines() if line.startswith("| `")):
+        named |= set(CODE_SPAN.findall(row))
+    return [m for m in modules if os.path.basename(m) not in ("__init__.py", "__main__.py")
+            and not any(m == n or m.endswith("/" + n) for n in named)]
+
+
+def test_every_product_module_is_in_the_layout():
+    modules = sorted(rel(p) for pkg in ("server", "shard_engine", "loaders")
+                     for p in glob.glob(os.path.join(REPO, pkg, "**", "*.py"), recursive=True))
+    assert len(modules) > 40, modules
+    missing = unnamed_in_layout(read(README), modules)
+    assert not missing, f"the README's layout table names none of {missing}"
+    table = "## Layout\n\n| path | what |\n|---|---|\n| `server/engine/` | `rank.py` |\n\n## Next\n"
+    assert unnamed_in_layout(table, ["server/engine/rank.py", "server/engine/gone.py", "server/__init__.py"]) \
+        == ["server/engine/gone.py"]
+
+
 def test_every_docs_page_is_linked_from_the_readme():
     linked = {os.path.normpath(os.path.join(REPO, t.partition("#")[0])) for t in LINK.findall(prose(read(README)))}
     unlinked = [rel(p) for p in PAGES[1:] if p not in linked]
