@@ -196,7 +196,7 @@ def rank_body(rank: int, world: int, model_dir: str, batches: list[int], context
             if mode == "compiled" and compiled is None:
                 from server.engine.compiled import CompiledDecode
 
-                compiled = CompiledDecode(model)
+                compiled = CompiledDecode(model, tuple(batches))  # each batch its own bucket: nothing padded
             results = out["modes"].setdefault(mode, {"resident_extra_bytes": residency.extra_bytes})
             for b in batches:
                 timing = time_decode(model, rank, b, context, steps, vocab,

@@ -78,6 +78,17 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """argparse type for ``--compile-batch-sizes``: positive integers, comma-separated (1,2,4,8)."""
+    try:
+        sizes = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        sizes = ()
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected positive batch sizes such as 1,2,4,8,16; got {text!r}")
+    return sizes
+
+
 def parse_size(text: str) -> int | None:
     """A memory size: bytes, or a number with a unit (64MiB, 2GiB, 1.5GB); ``auto``: None."""
     import re
@@ -257,8 +268,10 @@ class ServeConfig:
     compile: str = option(
         "none", "decode: decode-only steps run one torch.compile'd forward (inductor) instead of eager module calls "
         "(needs every unit resident; compiled at startup while /ready says compiling, which on 2 CPU cores takes "
-        "3 minutes for 24 layers, 1.5 with inductor's cache filled: experimental); none: eager", "speed",
-        choices=COMPILE_MODES)
+        "about 25 s a batch size for 24 layers: experimental); none: eager", "speed", choices=COMPILE_MODES)
+    compile_batch_sizes: tuple[int, ...] = option(
+        (1, 2, 4, 8, 16), "--compile decode: the batch sizes a rank's decode step is padded to, a graph each, compiled "
+        "at startup; larger decode steps run eagerly", "speed", type=parse_batch_sizes, metavar="N,N,...")
     resident_units: int | None = option(
         None, "units (in forward order) that keep their gathered parameters; all: every unit; auto: all where the "
         "shard group shares one host's memory (one shared copy per host, no more memory than the shards), else 0",
@@ -371,6 +384,8 @@ def show_default(f) -> str | None:
         return None
     if f.metadata["option"].switch:
         return "on" if f.default else "off"
+    if isinstance(f.default, tuple):  # spelled as the flag takes it
+        return ",".join(map(str, f.default))
     return f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
 
 

@@ -213,7 +213,7 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
         if state is not None:
             state.set_phase("compiling")
         logger.info("compiling the decode forward (--compile decode)")
-        logger.info("decode forward compiled in %.1f s", engine.compile_decode())
+        logger.info("decode forward compiled in %.1f s", engine.compile_decode(batch_sizes=cfg.compile_batch_sizes))
     release_freed_memory()
     weights = shared_weights_of(loaded.model)
     # shards that are views of the host's shared copy are counted once, in its share

@@ -50,6 +50,10 @@ def test_direct_forward_takes_fsdp_hooks_out_and_puts_them_back(tmp_path):
         assert r["restored"] and r["equal"], r
 
 
+BATCH_SIZES = (1, 2, 4)
+"""Fewer graphs than the default's (a compile each); a rank's 3 sequences are padded to 4."""
+
+
 def _decode_eager_and_compiled(rank, world_size, paths):
     """Each model through the engine twice, eagerly and compiled: four sequences of different
     lengths (the batch shrinks to one), a fifth arriving mid-decode (steps with a prompt chunk
@@ -71,7 +75,7 @@ def _decode_eager_and_compiled(rank, world_size, paths):
             harness.scheduler.eos_token_ids = set()
             graphs = None
             if mode == "compiled":
-                harness.engines[0].compile_decode()
+                harness.engines[0].compile_decode(batch_sizes=BATCH_SIZES)
                 graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             gen = torch.Generator().manual_seed(rank)
             prompts = [torch.randint(3, loaded.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 14, 21, 5)]
@@ -83,7 +87,9 @@ def _decode_eager_and_compiled(rank, world_size, paths):
             if graphs is not None:
                 got["compiled_after_warm_up"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
                 got["errors"] = [o["error"] for o in outs]
-                got["compiled_steps"] = harness.engines[0].compiled.calls - len(WARM_UP_CONTEXTS)
+                compiled = harness.engines[0].compiled
+                got["compiled_steps"] = compiled.calls - len(WARM_UP_CONTEXTS) * len(BATCH_SIZES)
+                got["padded_rows"] = compiled.padded_rows - sum(b - 1 for b in BATCH_SIZES) * len(WARM_UP_CONTEXTS)
                 got["steps"] = harness.steps
         set_resident_units(loaded.model, 0)
         out[family] = got
@@ -94,8 +100,8 @@ def test_compiled_decode_equals_eager_token_for_token(tmp_path):
     """Gemma 2 (soft-capping, windows on alternate layers, its own scaling: the most variants of
     one family; a compile costs a minute on CI's cores, so one family here, the plain path in
     benchmarks/step.py's compiled mode), sharded over 2 ranks, one shared resident copy (the CPU
-    default): greedy tokens equal to eager's, most steps compiled, nothing compiled after the
-    warm-up."""
+    default): greedy tokens equal to eager's, most steps compiled (some padded to their bucket),
+    nothing compiled after the warm-up."""
     from tests.test_families import _write
 
     paths = {family: _write(family, tmp_path / family) for family in ("gemma2",)}
@@ -105,6 +111,7 @@ def test_compiled_decode_equals_eager_token_for_token(tmp_path):
             assert got["compiled"] == got["eager"], family
             assert got["compiled_after_warm_up"] == 0, (family, got)
             assert got["compiled_steps"] > got["steps"] // 2, (family, got)
+            assert got["padded_rows"] > 0, (family, got)  # a batch of 3 ran in the bucket of 4
 
 
 def test_compile_decode_with_nothing_resident_is_refused_before_launch(tmp_path):

@@ -125,14 +125,18 @@ class _Chunk:
 
 
 class PagedKVCache:
-    """Every layer's keys and values for one rank: [kv heads, num_blocks * block_size, head dim],
-    allocated (and touched) once, so a budget that does not fit fails at startup, not mid-request.
-    Duck-types the part of transformers' Cache that attention layers call."""
+    """Every layer's keys and values for one rank: [kv heads, (num_blocks + 1) * block_size, head
+    dim], allocated (and touched) once, so a budget that does not fit fails at startup, not
+    mid-request. Blocks 0..num_blocks-1 are the scheduler's; the one after them,
+    ``scratch_block``, is nobody's: the padding rows of a compiled step write their keys there
+    (:mod:`server.engine.compiled`). Duck-types the part of transformers' Cache that attention
+    layers call."""
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, value_head_dim: int | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
-        slots = num_blocks * block_size
+        self.scratch_block = num_blocks
+        slots = (num_blocks + 1) * block_size
         value_dim = value_head_dim or head_dim
         self.keys = [torch.zeros((kv_heads, slots, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros((kv_heads, slots, value_dim), dtype=dtype, device=device)

@@ -1,18 +1,27 @@
 """Decode steps through ``torch.compile`` (``--compile decode``).
 
 A *decode-only* forward (every sequence of the step computes one token; none asks for its
-prompt's log-probabilities) runs the model through one ``torch.compile``'d function (inductor,
-dynamic shapes: one graph for a single sequence, one for any batch and context beyond it), with
-FSDP2's hooks out of the way (:class:`shard_engine.direct.DirectForward`): the Python of a few
-hundred module calls per step becomes one call of generated code. Steps with prompt chunks run
-eagerly (their cost is arithmetic, and their shapes vary most). Eager stays the reference (the
+prompt's log-probabilities) of at most the largest of ``batch_sizes`` sequences runs the model
+through one ``torch.compile``'d function (inductor), with FSDP2's hooks out of the way
+(:class:`shard_engine.direct.DirectForward`): the Python of a few hundred module calls per step
+becomes one call of generated code. Its shapes are static: the batch is padded to the smallest
+bucket that holds it (vLLM's CUDA-graph capture sizes do the same), so each bucket is one graph
+traced once at startup, and only the sequences' context length, a size that reaches nothing but
+the decode attention op (:mod:`server.engine.kernels`), stays symbolic. Static graphs trace in a
+fraction of a dynamic one's time (torch 2.13's symbolic-shape work over a deep model was most of
+the startup) and are what CUDA graphs need. Steps with prompt chunks, and decode steps larger
+than the largest bucket (their cost is arithmetic), run eagerly. Eager stays the reference (the
 exactness tests compare the two token for token) and the fallback.
+
+A padding row is token 0 at position 0 whose key and value go to the KV pool's scratch block
+(``PagedKVCache.scratch_block``, which the scheduler never hands out) and whose logits are
+dropped: no other row reads what it computes (each sequence's attention reads its own slots).
 
 Requires every unit resident (the CPU default): a model whose forwards gather is refused with
 the reason at startup (:class:`CompileUnavailable`), as is a device or torch without inductor.
-:meth:`CompiledDecode.warm_up` compiles at startup, before any request is admitted (``/ready``
-says ``compiling``): decode forwards of one and of three sequences whose keys and values go to
-the first KV block, which nothing holds yet. Inductor keeps what it generated on disk
+:meth:`CompiledDecode.warm_up` compiles every bucket at startup, before any request is admitted
+(``/ready`` says ``compiling``), with decode forwards whose keys and values go to the first KV
+block, which nothing holds yet. Inductor keeps what it generated on disk
 (``TORCHINDUCTOR_CACHE_DIR``, by default under hsdp-serve's cache directory): a second start
 traces again but compiles less.
 """
@@ -25,10 +34,9 @@ import time
 import torch
 from torch import nn
 
-WARM_UP_CONTEXTS = ((5,), (7, 9, 11))
-"""The decode forwards warm-up runs, as the contexts of their sequences: one alone (a batch of
-one is its own graph), then three (none equal to another size of the graph, which inductor would
-otherwise take for a constant relation)."""
+WARM_UP_CONTEXTS = (5, 7)
+"""The context lengths each bucket's warm-up forwards run at: two, so that the context is seen to
+vary and kept symbolic (it is also marked dynamic on every call)."""
 
 
 class CompileUnavailable(RuntimeError):
@@ -45,52 +53,87 @@ def inductor_cache_dir() -> str:
 
 
 class CompiledDecode:
-    """The compiled decode forward of one rank's model. ``forward(**kwargs)`` is the model's
-    forward (same arguments, same output) for decode-only steps."""
+    """The compiled decode forward of one rank's model. :meth:`pad` turns a decode-only step's
+    inputs into a bucket's, or says it has none; ``forward(**kwargs)`` is then the model's forward
+    (same arguments, same output) over the padded rows."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, batch_sizes: tuple[int, ...]):
         from shard_engine.direct import DirectForward
 
+        if not batch_sizes or min(batch_sizes) < 1:
+            raise CompileUnavailable(f"--compile-batch-sizes: {batch_sizes!r} is not a list of positive sizes")
         try:
             self._direct = DirectForward(model)
         except ValueError as e:
             raise CompileUnavailable(f"--compile decode: {e} (every unit must be resident: --resident-units all, "
                                      "or auto on CPU ranks of one host)") from None
-        self._compiled = torch.compile(model.forward, dynamic=True)
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self._compiled = torch.compile(model.forward, dynamic=False)
         self.calls = 0  # decode forwards run compiled, warm-up included
+        self.padded_rows = 0  # rows computed only to fill a bucket, warm-up included
+
+    def bucket(self, sequences: int) -> int | None:
+        """The batch size a decode step of ``sequences`` rows runs compiled at, or None (eager)."""
+        return next((b for b in self.batch_sizes if b >= sequences), None)
+
+    def pad(self, ids: list[int], positions: list[int], items: list, keep: list[int], scratch_block: int,
+            bucket: int | None = None) -> bool:
+        """Pads a decode-only step's token ids, positions, layout items (``PagedLayout.build``'s) and
+        rows kept for logits, in place, to its bucket (or ``bucket``); False (nothing changed) where
+        it has none. The logits of the first ``len(keep)`` rows kept are the step's, as unpadded."""
+        bucket = bucket or self.bucket(len(ids))
+        if bucket is None:
+            return False
+        extra = bucket - len(ids)
+        ids += [0] * extra
+        positions += [0] * extra
+        items += [(0, 1, [scratch_block])] * extra
+        keep += [bucket - 1] * (bucket - len(keep))  # a static size: the logits of padding rows, dropped
+        self.padded_rows += extra
+        return True
 
     def forward(self, **kwargs):
         self.calls += 1
+        decode = kwargs["hsdp_paged"].decode
+        # the context length varies every step: symbolic (it only sizes the attention op's inputs)
+        for tensor, dim in ((decode.slots_SL, 1), (decode.valid_SL, 1), (decode.positions_L, 0)):
+            torch._dynamo.mark_dynamic(tensor, dim)
         # specialize_float: the modules' float attributes (norm epsilons, scales) are constants.
         # As symbolic floats, torch 2.13 traced every graph twice (its pass that turns them into
-        # tensors gave up and restarted the analysis with them specialized): half the compile.
-        with self._direct(), torch._dynamo.config.patch(specialize_float=True):
+        # tensors gave up and restarted the analysis with them specialized).
+        # recompile_limit: a graph per bucket (a recompile past it would run eagerly)
+        with self._direct(), torch._dynamo.config.patch(specialize_float=True,
+                                                        recompile_limit=len(self.batch_sizes) + 1):
             return self._compiled(**kwargs)
 
     def warm_up(self, cache, block_size: int, device: torch.device) -> float:
-        """Compile now: the decode forwards of :data:`WARM_UP_CONTEXTS`, their keys and values
+        """Compile now: for every bucket, decode forwards of one sequence at each of
+        :data:`WARM_UP_CONTEXTS` (padded to the bucket, as a step would be), its keys and values
         written into block 0 of ``cache`` (free at startup). Returns the seconds it took; raises
         CompileUnavailable naming what failed."""
         from server.engine.attention import PagedLayout
         from shard_engine.torch_private import mark_static
 
         mark_static(cache.keys + cache.values)  # the pools never change size (and are many)
-        if max(max(c) for c in WARM_UP_CONTEXTS) > block_size * cache.num_blocks:
+        if max(WARM_UP_CONTEXTS) > block_size * cache.num_blocks:
             raise CompileUnavailable("--compile decode: the KV cache is too small to warm up in")
         start = time.monotonic()
-        for contexts in WARM_UP_CONTEXTS:
-            layout = PagedLayout.build([(c - 1, 1, list(range(-(-c // block_size)))) for c in contexts],
-                                       block_size, device)
-            cache.layout = layout
-            try:
-                with torch.no_grad():
-                    self.forward(input_ids=torch.ones(1, len(contexts), dtype=torch.long, device=device),
-                                 position_ids=torch.tensor([[c - 1 for c in contexts]], device=device),
-                                 cache=cache, use_cache=True,
-                                 logits_to_keep=torch.arange(len(contexts), device=device), hsdp_paged=layout)
-            except Exception as e:
-                raise CompileUnavailable(f"--compile decode: torch.compile failed ({type(e).__name__}: "
-                                         f"{str(e).splitlines()[0] if str(e) else ''})") from e
-            finally:
-                cache.layout = None
+        for bucket in self.batch_sizes:
+            for context in WARM_UP_CONTEXTS:
+                ids, positions, keep = [1], [context - 1], [0]
+                items = [(context - 1, 1, list(range(-(-context // block_size))))]
+                self.pad(ids, positions, items, keep, cache.scratch_block, bucket=bucket)
+                layout = PagedLayout.build(items, block_size, device)
+                cache.layout = layout
+                try:
+                    with torch.no_grad():
+                        self.forward(input_ids=torch.tensor([ids], device=device),
+                                     position_ids=torch.tensor([positions], device=device),
+                                     cache=cache, use_cache=True,
+                                     logits_to_keep=torch.tensor(keep, device=device), hsdp_paged=layout)
+                except Exception as e:
+                    raise CompileUnavailable(f"--compile decode: torch.compile failed ({type(e).__name__}: "
+                                             f"{str(e).splitlines()[0] if str(e) else ''})") from e
+                finally:
+                    cache.layout = None
         return time.monotonic() - start

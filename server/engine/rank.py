@@ -191,11 +191,15 @@ class RankEngine:
             if w.start + w.count == len(seq.tokens):  # its last token: a next one is due
                 sample_rows.append(len(ids) - 1)
                 sampling.append(seq)
+        computed = len(ids)
+        keep = sample_rows + [row + i for _, row, _, count in scored for i in range(count)]
+        decode_only = not scored and all(count == 1 for _, count, _ in items)
+        forward = self.model
+        if decode_only and self.compiled is not None and self.compiled.pad(ids, positions, items, keep,
+                                                                           self.cache.scratch_block):
+            forward = self.compiled.forward
         layout = PagedLayout.build(items, self.block_size, self.device)
         self.cache.layout = layout
-        keep = sample_rows + [row + i for _, row, _, count in scored for i in range(count)]
-        decode_only = not layout.prefill and not scored
-        forward = self.compiled.forward if self.compiled is not None and decode_only else self.model
         out = forward(
             input_ids=torch.tensor([ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
@@ -205,7 +209,7 @@ class RankEngine:
             hsdp_paged=layout,
         )
         self.cache.layout = None
-        self.tokens_computed += len(ids)
+        self.tokens_computed += computed
         if scored:
             self._score_prompts(out.logits[0, len(sample_rows):], scored)
         if not sampling:
@@ -242,14 +246,16 @@ class RankEngine:
             results.append(TokenResult(seq.seq_id, token, logprob, top, stop=stop))
         return results
 
-    def compile_decode(self, compiled=None) -> float:
-        """``--compile decode``: decode-only forwards from now on go through a compiled forward
-        (:mod:`server.engine.compiled`; ``compiled``, a CompiledDecode of this engine's model that
-        an earlier engine warmed up, or a new one), warmed up in this engine's KV pool now;
-        returns the seconds it took. Raises CompileUnavailable with the reason where it cannot be."""
+    def compile_decode(self, compiled=None, batch_sizes=None) -> float:
+        """``--compile decode``: decode-only forwards of up to the largest of ``batch_sizes``
+        sequences from now on go through a compiled forward (:mod:`server.engine.compiled`;
+        ``compiled``, a CompiledDecode of this engine's model that an earlier engine warmed up, or a
+        new one), warmed up in this engine's KV pool now; returns the seconds it took. Raises
+        CompileUnavailable with the reason where it cannot be."""
+        from server.config import ServeConfig
         from server.engine.compiled import CompiledDecode
 
-        compiled = compiled or CompiledDecode(self.model)
+        compiled = compiled or CompiledDecode(self.model, batch_sizes or ServeConfig().compile_batch_sizes)
         seconds = compiled.warm_up(self.cache, self.block_size, self.device)
         self.compiled = compiled
         return seconds
