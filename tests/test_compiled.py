@@ -114,6 +114,28 @@ def test_compiled_decode_equals_eager_token_for_token(tmp_path):
             assert got["padded_rows"] > 0, (family, got)  # a batch of 3 ran in the bucket of 4
 
 
+def test_a_decode_step_is_padded_to_its_bucket_or_left_to_eager():
+    """``CompiledDecode.pad``: a step's rows padded to the smallest bucket that holds them (padding
+    rows at position 0 in the scratch block, the kept rows filled to the bucket's size); none
+    where no bucket holds the step, or where its longest context is 1 (compile took it for at
+    least 2). Nothing is compiled here (a plain module: no FSDP2 hooks to take out)."""
+    from server.engine.compiled import CompileUnavailable, CompiledDecode
+
+    compiled = CompiledDecode(torch.nn.Linear(1, 1), (4, 1, 2))
+    assert compiled.batch_sizes == (1, 2, 4)
+    assert [compiled.bucket(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
+    ids, positions, items, keep = [7, 8, 9], [4, 10, 2], [(4, 1, [3]), (10, 1, [5]), (2, 1, [6])], [0, 1, 2]
+    assert compiled.pad(ids, positions, items, keep, scratch_block=99)
+    assert (ids, positions, keep) == ([7, 8, 9, 0], [4, 10, 2, 0], [0, 1, 2, 3])
+    assert items[3] == (0, 1, [99]) and compiled.padded_rows == 1
+    five = [(4, 1, [3])] * 5
+    assert not compiled.pad([1] * 5, [4] * 5, five, [0, 1, 2, 3, 4], scratch_block=99)
+    alone = ([1], [0], [(0, 1, [3])], [0])  # a one-token prompt's first step: context 1
+    assert not compiled.pad(*alone, scratch_block=99) and alone == ([1], [0], [(0, 1, [3])], [0])
+    with pytest.raises(CompileUnavailable, match="compile-batch-sizes"):
+        CompiledDecode(torch.nn.Linear(1, 1), (0, 2))
+
+
 def test_compile_decode_with_nothing_resident_is_refused_before_launch(tmp_path):
     from tests.checkpoints import write_checkpoint
 

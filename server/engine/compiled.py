@@ -70,6 +70,7 @@ class CompiledDecode:
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self._compiled = torch.compile(model.forward, dynamic=False)
         self.calls = 0  # decode forwards run compiled, warm-up included
+        self.warm = False
         self.padded_rows = 0  # rows computed only to fill a bucket, warm-up included
 
     def bucket(self, sequences: int) -> int | None:
@@ -78,11 +79,13 @@ class CompiledDecode:
 
     def pad(self, ids: list[int], positions: list[int], items: list, keep: list[int], scratch_block: int,
             bucket: int | None = None) -> bool:
-        """Pads a decode-only step's token ids, positions, layout items (``PagedLayout.build``'s) and
-        rows kept for logits, in place, to its bucket (or ``bucket``); False (nothing changed) where
-        it has none. The logits of the first ``len(keep)`` rows kept are the step's, as unpadded."""
+        """Pads a decode-only step's token ids, positions, layout items (``PagedLayout.build``'s:
+        one token each) and rows kept for logits, in place, to its bucket (or ``bucket``); False
+        (nothing changed, run it eagerly) where it has none, or where its longest context is 1 (a
+        step of one-token prompts: compile took the context for at least 2). The logits of the
+        first ``len(keep)`` rows kept are the step's, as unpadded."""
         bucket = bucket or self.bucket(len(ids))
-        if bucket is None:
+        if bucket is None or max(start + count for start, count, _ in items) < 2:
             return False
         extra = bucket - len(ids)
         ids += [0] * extra
@@ -103,8 +106,18 @@ class CompiledDecode:
         # tensors gave up and restarted the analysis with them specialized).
         # recompile_limit: a graph per bucket (a recompile past it would run eagerly)
         with self._direct(), torch._dynamo.config.patch(specialize_float=True,
-                                                        recompile_limit=len(self.batch_sizes) + 1):
+                                                        recompile_limit=len(self.batch_sizes) + 1), self._stance():
             return self._compiled(**kwargs)
+
+    def _stance(self):
+        """After the warm-up: a call that no graph fits runs eagerly rather than compiling
+        mid-serving, and only the guards that tell the graphs apart are evaluated (the rest cost
+        1.1-1.4 ms a step at 24 layers: a guard per parameter). That is safe because :meth:`pad`
+        admits only what the warm-up compiled for: a bucket's batch, one token per row, a context
+        of at least 2 (the size compile assumes of a symbolic one), no grad, the same pools."""
+        if not self.warm:
+            return torch.compiler.set_stance("default")
+        return torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=True)
 
     def warm_up(self, cache, block_size: int, device: torch.device) -> float:
         """Compile now: for every bucket, decode forwards of one sequence at each of
@@ -117,6 +130,7 @@ class CompiledDecode:
         mark_static(cache.keys + cache.values)  # the pools never change size (and are many)
         if max(WARM_UP_CONTEXTS) > block_size * cache.num_blocks:
             raise CompileUnavailable("--compile decode: the KV cache is too small to warm up in")
+        self.warm = False  # every guard evaluated: a new pool (another engine's) compiles anew
         start = time.monotonic()
         for bucket in self.batch_sizes:
             for context in WARM_UP_CONTEXTS:
@@ -136,4 +150,5 @@ class CompiledDecode:
                                              f"{str(e).splitlines()[0] if str(e) else ''})") from e
                 finally:
                     cache.layout = None
+        self.warm = True
         return time.monotonic() - start
