@@ -122,7 +122,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
         channels = control_channels(cfg.collective_timeout_s, groups)
         channel = next(c for c, ranks in zip(channels, groups) if rank in ranks)  # this rank's group's
         if rank == 0:
-            scheduler = _build_router(cfg, loaded, groups, per_rank, state)
+            scheduler = _build_router(cfg, loaded, groups, per_rank, state, device)
             _open_for_requests(cfg, state, scheduler, loaded, engine, per_rank, group)
         else:
             ignore_stop_signals()
@@ -230,19 +230,27 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
     return engine, per_rank
 
 
-def _build_router(cfg: ServeConfig, loaded, groups, per_rank, state):
+def _build_router(cfg: ServeConfig, loaded, groups, per_rank, state, device):
     """Rank 0: a scheduler per step group over its ranks' KV pools, one router in front."""
     from server.engine import BlockPool, Scheduler, StepGroupRouter
 
     limits = state.limits = _resolve_limits(cfg, loaded.config)
     share = -(-limits.max_concurrent_requests // len(groups))  # each group's running bound
+    cores = None
+    if device.type == "cpu" and len(groups) > 1:  # a busy rank takes its host's idle cores
+        import torch
+
+        from server.engine.cores import HostCores
+
+        world = sum(len(ranks) for ranks in groups)
+        cores = HostCores(int(os.environ.get("LOCAL_WORLD_SIZE", world)), torch.get_num_threads(), world)
     schedulers = [
         Scheduler(
             pools=[BlockPool(per_rank[r][2], cfg.kv_block_size, prefix_caching=cfg.prefix_caching) for r in ranks],
             replicas=[list(range(len(ranks)))], rank_ids=ranks, max_running=share,
             max_queued=limits.max_queued_requests, max_total_tokens=limits.max_total_tokens,
             max_prefill_tokens=cfg.max_batch_prefill_tokens,
-            eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer), metrics=state.metrics,
+            eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer), metrics=state.metrics, cores=cores,
         )
         for ranks in groups
     ]

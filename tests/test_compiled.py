@@ -91,9 +91,33 @@ def _decode_eager_and_compiled(rank, world_size, paths):
                 got["compiled_steps"] = compiled.calls - len(WARM_UP_CONTEXTS) * len(BATCH_SIZES)
                 got["padded_rows"] = compiled.padded_rows - sum(b - 1 for b in BATCH_SIZES) * len(WARM_UP_CONTEXTS)
                 got["steps"] = harness.steps
+                got["fallback"] = _a_call_no_graph_fits(harness.engines[0], compiled)
+                last = harness.submit(prompts[3], 3)  # the engine's compiled steps put the graphs' count back
+                harness.run(lambda: last["finish"] is not None or last["error"])
+                got["threads_put_back"] = torch.get_num_threads() == compiled.threads
         set_resident_units(loaded.model, 0)
         out[family] = got
     return out
+
+
+def _a_call_no_graph_fits(engine, compiled) -> dict:
+    """A compiled call with another thread count than the graphs' (a guard of each): it runs
+    (eagerly) instead of raising, and guards are evaluated in full after it; an engine step puts the
+    graphs' thread count back before its compiled forward (checked by the caller)."""
+    from server.engine.attention import PagedLayout
+
+    threads = compiled.threads
+    torch.set_num_threads(threads + 1)
+    layout = PagedLayout.build([(4, 1, [0, 1])], engine.block_size, engine.device)
+    engine.cache.layout = layout
+    try:
+        with torch.no_grad():
+            out = compiled.forward(input_ids=torch.ones(1, 1, dtype=torch.long), position_ids=torch.tensor([[4]]),
+                                   cache=engine.cache, use_cache=True, logits_to_keep=torch.tensor([0]),
+                                   hsdp_paged=layout)
+    finally:
+        engine.cache.layout = None
+    return {"ran": out.logits.shape[1] == 1, "skip_guards_after": compiled.skip_guards}
 
 
 def test_compiled_decode_equals_eager_token_for_token(tmp_path):
@@ -112,6 +136,8 @@ def test_compiled_decode_equals_eager_token_for_token(tmp_path):
             assert got["compiled_after_warm_up"] == 0, (family, got)
             assert got["compiled_steps"] > got["steps"] // 2, (family, got)
             assert got["padded_rows"] > 0, (family, got)  # a batch of 3 ran in the bucket of 4
+            assert got["fallback"] == {"ran": True, "skip_guards_after": False}, (family, got)
+            assert got["threads_put_back"], (family, got)
 
 
 def test_a_decode_step_is_padded_to_its_bucket_or_left_to_eager():

@@ -28,11 +28,14 @@ traces again but compiles less.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 WARM_UP_CONTEXTS = (5, 7)
 """The context lengths each bucket's warm-up forwards run at: two, so that the context is seen to
@@ -71,6 +74,8 @@ class CompiledDecode:
         self._compiled = torch.compile(model.forward, dynamic=False)
         self.calls = 0  # decode forwards run compiled, warm-up included
         self.warm = False
+        self.skip_guards = True  # after the warm-up (:meth:`_stance`); off for good after a call no graph fit
+        self.threads = torch.get_num_threads()  # the warm-up's: part of every graph's guards
         self.padded_rows = 0  # rows computed only to fill a bucket, warm-up included
 
     def bucket(self, sequences: int) -> int | None:
@@ -105,6 +110,20 @@ class CompiledDecode:
         # As symbolic floats, torch 2.13 traced every graph twice (its pass that turns them into
         # tensors gave up and restarted the analysis with them specialized).
         # recompile_limit: a graph per bucket (a recompile past it would run eagerly)
+        try:
+            return self._call(kwargs)
+        except RuntimeError as e:
+            # a call no graph fits (what pad() admits should never be one): under
+            # skip_guard_eval_unsafe torch raises before running anything; from now on every
+            # guard is evaluated, and such a call runs eagerly
+            if not (self.warm and self.skip_guards and "skip_guard_eval_unsafe" in str(e)):
+                raise
+            logger.warning("compiled decode: a step no compiled graph fits (%s); guards evaluated in full from now on",
+                           {k: tuple(v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+            self.skip_guards = False
+            return self._call(kwargs)
+
+    def _call(self, kwargs):
         with self._direct(), torch._dynamo.config.patch(specialize_float=True,
                                                         recompile_limit=len(self.batch_sizes) + 1), self._stance():
             return self._compiled(**kwargs)
@@ -117,7 +136,7 @@ class CompiledDecode:
         of at least 2 (the size compile assumes of a symbolic one), no grad, the same pools."""
         if not self.warm:
             return torch.compiler.set_stance("default")
-        return torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=True)
+        return torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=self.skip_guards)
 
     def warm_up(self, cache, block_size: int, device: torch.device) -> float:
         """Compile now: for every bucket, decode forwards of one sequence at each of
@@ -131,6 +150,8 @@ class CompiledDecode:
         if max(WARM_UP_CONTEXTS) > block_size * cache.num_blocks:
             raise CompileUnavailable("--compile decode: the KV cache is too small to warm up in")
         self.warm = False  # every guard evaluated: a new pool (another engine's) compiles anew
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         start = time.monotonic()
         for bucket in self.batch_sizes:
             for context in WARM_UP_CONTEXTS:

@@ -47,6 +47,7 @@ class StepPlan:
     work: dict[int, list[Work]] = field(default_factory=dict)  # rank -> its work
     forward: bool = False  # some rank has work: every rank enters forward (the all-gathers are collectives)
     shutdown: bool = False
+    threads: int = 0  # intra-op threads a rank with work uses this step (server.engine.cores); 0: its own
 
 
 @dataclass

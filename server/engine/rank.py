@@ -149,7 +149,7 @@ class RankEngine:
             if self.delay_s:
                 time.sleep(self.delay_s)
             work = plan.work.get(self.rank)
-            tokens = self._forward(work) if work else self._idle_forward()
+            tokens = self._forward(work, plan.threads) if work else self._idle_forward()
         elif self.forwards != self._forwards_at_trim and time.monotonic() - self._trimmed_at > TRIM_WHEN_IDLE_EVERY_S:
             # idle after work: what a burst's activations left in the allocator goes back to the system
             from server.group.memory import release_freed_memory
@@ -173,7 +173,7 @@ class RankEngine:
         return []
 
     @torch.no_grad()
-    def _forward(self, work: list[Work]) -> list[TokenResult]:
+    def _forward(self, work: list[Work], threads: int = 0) -> list[TokenResult]:
         ids, positions, items, sample_rows, sampling = [], [], [], [], []
         scored = []  # (seq, first row, first position, count): prompt positions whose next token is scored
         for w in work:
@@ -198,6 +198,9 @@ class RankEngine:
         if decode_only and self.compiled is not None and self.compiled.pad(ids, positions, items, keep,
                                                                            self.cache.scratch_block):
             forward = self.compiled.forward
+            threads = self.compiled.threads  # its graphs hold the thread count they were compiled at
+        if threads and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)  # the idle ranks' cores (server.engine.cores)
         layout = PagedLayout.build(items, self.block_size, self.device)
         self.cache.layout = layout
         out = forward(

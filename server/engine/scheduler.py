@@ -121,6 +121,7 @@ class Scheduler:
         idle_wait_s: float = 1.0,
         metrics=None,
         rank_ids: list[int] | None = None,
+        cores=None,
     ):
         self.pools = pools
         self.world_size = len(pools)
@@ -137,6 +138,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.idle_wait_s = idle_wait_s
         self.metrics = metrics
+        self.cores = cores  # a server.engine.cores.HostCores shared by the step groups, or None
         self._open = 0  # requests submitted and not yet finished or cancelled
         self._open_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
@@ -231,6 +233,8 @@ class Scheduler:
             plan.work = {self.rank_ids[r]: work for r, work in plan.work.items()}
             for add in plan.add:
                 add.rank = self.rank_ids[add.rank]
+        if self.cores is not None:
+            plan.threads = self.cores.threads(self.rank_ids, [rank for rank, work in plan.work.items() if work])
         self._planned_at = time.perf_counter()
         return plan
 

@@ -1,0 +1,51 @@
+"""Cores where the work is: a busy rank takes the cores of the idle ranks of its host.
+
+Each CPU rank starts with its share of the host's cores (``server.group.process_group``: cores //
+local ranks, one thread each on 2 cores and 2 ranks). With every unit resident each rank is its
+own step group, and at low load most of them are idle: one sequence's decode ran on one core
+while the other waited, although a step of a real model is bound by how fast its weights stream
+from memory, which two cores do faster than one (SmolLM2-135M in bf16, one process: 60 ms a
+step on one thread, 45 on two).
+
+:class:`HostCores` lives on rank 0, beside the schedulers. Each step group's scheduler tells it,
+with every plan, which of its ranks have work; the plan then carries the intra-op threads its
+busy ranks use (``StepPlan.threads``): the host's cores over the ranks of that host with work,
+never fewer than a rank's own share. The ranks apply it before their forward
+(``RankEngine.step``: ``torch.set_num_threads``, which the matmuls follow at once; inductor's own
+kernels keep the count they were compiled with). Two groups that plan at the same moment may
+both count the other idle: the host is oversubscribed for that one step, and each group's next
+plan counts again. GPU ranks are left as they are (their host threads feed a device).
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class HostCores:
+    """Which ranks have work now, per host; ``threads(group, busy)`` records a group's plan and
+    returns the threads its busy ranks use. Thread-safe: every step group's planner calls it."""
+
+    def __init__(self, ranks_per_host: int, threads_per_rank: int, world_size: int):
+        if ranks_per_host < 1 or threads_per_rank < 1:
+            raise ValueError(f"ranks_per_host {ranks_per_host} and threads_per_rank {threads_per_rank} must be >= 1")
+        self.ranks_per_host, self.threads_per_rank = ranks_per_host, threads_per_rank
+        self.cores_per_host = ranks_per_host * threads_per_rank
+        self._host = [rank // ranks_per_host for rank in range(world_size)]  # ranks are numbered host by host
+        self._busy: set[int] = set()
+        self._lock = threading.Lock()
+
+    def threads(self, group: list[int], busy: list[int]) -> int:
+        """Records that of ``group``'s ranks exactly ``busy`` have work in its next step; returns the
+        threads each of them uses in it (the fewest any of their hosts can give)."""
+        with self._lock:
+            self._busy.difference_update(group)
+            self._busy.update(busy)
+            hosts = {self._host[rank] for rank in busy}
+            if not hosts:
+                return self.threads_per_rank
+            working = {host: 0 for host in hosts}
+            for rank in self._busy:
+                if self._host[rank] in working:
+                    working[self._host[rank]] += 1
+            return max(self.threads_per_rank, min(self.cores_per_host // working[host] for host in hosts))

@@ -1,0 +1,45 @@
+"""``server.engine.cores``: a busy rank's plan gives it the cores of its host's idle ranks; no process."""
+
+import pytest
+
+from server.engine.cores import HostCores
+
+
+def test_busy_ranks_share_their_hosts_cores():
+    cores = HostCores(ranks_per_host=2, threads_per_rank=1, world_size=4)  # two hosts of two ranks
+    assert cores.threads([0], [0]) == 2  # alone on host 0: both its cores
+    assert cores.threads([1], [1]) == 1  # rank 0 still busy: one each
+    assert cores.threads([0], [0]) == 1
+    assert cores.threads([1], []) == 1  # rank 1 idle now: its plan has no work, its threads unused
+    assert cores.threads([0], [0]) == 2  # and rank 0's next plan takes its core
+    assert cores.threads([2], [2]) == 2  # host 1 counts apart
+    assert cores.threads([2, 3], [2, 3]) == 1  # a group of two busy ranks on host 1
+    assert cores.threads([0, 2], [0, 2]) == 1  # a group across hosts: the fewest its hosts give
+
+
+def test_never_fewer_than_a_ranks_own_share():
+    cores = HostCores(ranks_per_host=4, threads_per_rank=3, world_size=4)
+    for rank in range(4):
+        cores.threads([rank], [rank])
+    assert cores.threads([0], [0]) == 3  # 12 cores over 4 busy ranks
+    for rank in (1, 2, 3):
+        cores.threads([rank], [])
+    assert cores.threads([0], [0]) == 12
+    with pytest.raises(ValueError):
+        HostCores(ranks_per_host=0, threads_per_rank=1, world_size=1)
+
+
+def test_the_scheduler_puts_the_threads_in_its_plans():
+    from server.engine import BlockPool, RequestHandle, SamplingParams, Scheduler
+
+    cores = HostCores(ranks_per_host=2, threads_per_rank=1, world_size=2)
+    schedulers = [Scheduler(pools=[BlockPool(16, 4, prefix_caching=False)], replicas=[[0]], rank_ids=[rank],
+                            max_running=4, max_total_tokens=32, eos_token_ids=set(), idle_wait_s=0.01, cores=cores)
+                  for rank in (0, 1)]
+    schedulers[0].submit(RequestHandle([5, 6, 7], SamplingParams(max_new_tokens=4), deliver=lambda e: None))
+    idle = schedulers[1].next_plan()
+    plan = schedulers[0].next_plan()
+    assert plan.work[0] and plan.threads == 2, plan
+    assert not idle.forward
+    schedulers[1].submit(RequestHandle([8, 9], SamplingParams(max_new_tokens=4), deliver=lambda e: None))
+    assert schedulers[1].next_plan().threads == 1  # rank 0 busy too: a core each
