@@ -37,7 +37,6 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
     # torch modules (dotted): the names taken from them
     "torch": ("_foreach_copy_",),
     "torch.distributed.distributed_c10d": ("_get_default_store",),
-    "torch._dynamo": ("mark_static",),
     "torch.distributed.fsdp._fully_shard._fsdp_common": ("_from_local_no_grad",),
     "torch.distributed.fsdp._fully_shard._fsdp_collectives": ("AllGather", "DefaultAllGather"),
     # torch classes (dotted): methods called or overridden
@@ -116,17 +115,6 @@ def forward_hooks(unit: FSDPModule) -> tuple[dict, int, dict, int]:
 def casts_outputs(unit: FSDPModule) -> bool:
     """Whether the unit's post-forward hook casts its outputs (mixed precision's output_dtype)."""
     return unit._get_fsdp_state()._mp_policy.output_dtype is not None
-
-
-def mark_static(tensors) -> None:
-    """Tell torch.compile that ``tensors`` never change size (a KV pool): under ``dynamic=True``
-    their sizes would otherwise each become a symbol (48 pools of a 24-layer model: a symbolic
-    search that takes inductor many minutes), and a dynamic size that happens to equal one of
-    theirs while tracing would be guarded as equal to it."""
-    import torch._dynamo
-
-    for tensor in tensors:
-        torch._dynamo.mark_static(tensor)
 
 
 def set_unshard_async(unit: FSDPModule, async_op: bool) -> None:

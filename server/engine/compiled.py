@@ -6,8 +6,8 @@ through one ``torch.compile``'d function (inductor), with FSDP2's hooks out of t
 (:class:`shard_engine.direct.DirectForward`): the Python of a few hundred module calls per step
 becomes one call of generated code. Its shapes are static: the batch is padded to the smallest
 bucket that holds it (vLLM's CUDA-graph capture sizes do the same), so each bucket is one graph
-traced once at startup, and only the sequences' context length, a size that reaches nothing but
-the decode attention op (:mod:`server.engine.kernels`), stays symbolic. Static graphs trace in a
+traced once at startup; only the KV pools' slot count and the sequences' context length, a size
+that reaches nothing but the decode attention op (:mod:`server.engine.kernels`), stay symbolic. Static graphs trace in a
 fraction of a dynamic one's time (torch 2.13's symbolic-shape work over a deep model was most of
 the startup) and are what CUDA graphs need. Steps with prompt chunks, and decode steps larger
 than the largest bucket (their cost is arithmetic), run eagerly. Eager stays the reference (the
@@ -144,9 +144,10 @@ class CompiledDecode:
         written into block 0 of ``cache`` (free at startup). Returns the seconds it took; raises
         CompileUnavailable naming what failed."""
         from server.engine.attention import PagedLayout
-        from shard_engine.torch_private import mark_static
-
-        mark_static(cache.keys + cache.values)  # the pools never change size (and are many)
+        # the pools' slot count (the KV budget, sized from free memory at every start) as one
+        # symbol: a graph of fixed sizes otherwise, whose cache on disk a new budget would miss
+        for pool in cache.keys + cache.values:
+            torch._dynamo.mark_dynamic(pool, 1)
         if max(WARM_UP_CONTEXTS) > block_size * cache.num_blocks:
             raise CompileUnavailable("--compile decode: the KV cache is too small to warm up in")
         self.warm = False  # every guard evaluated: a new pool (another engine's) compiles anew
