@@ -36,14 +36,23 @@ class ControlChannel:
         # Collective over the default group: every rank creates every channel, in the same order.
         self.group = dist.new_group(self.ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.rank = dist.get_rank()
+        # rank 0's own group of one (every unit resident): nothing to send, nobody to hear from.
+        # Skipping the wire there saved ~1.2 ms a step (two broadcasts, an all-gather and a
+        # gather over gloo, each payload encoded and decoded), 18% of rank 0's decode loop at
+        # one client on the 24-layer tiny Llama compiled (py-spy).
+        self.alone = self.ranks == [self.rank]
 
     def broadcast_plan(self, plan: StepPlan | None) -> StepPlan:
         """Rank 0's ``plan`` on every member (theirs is ignored); rank 0 keeps its own object."""
+        if self.alone:
+            return plan
         sent = wire.broadcast(to_wire(plan) if self.rank == 0 else None, src=0, group=self.group)
         return plan if self.rank == 0 else from_wire(StepPlan, sent)
 
     def gather_results(self, result: StepResult | None) -> list[StepResult] | None:
         """Rank 0: every member's result (rank 0's own is None where it is not in the replica)."""
+        if self.alone:
+            return [result] if result is not None else []
         out = wire.gather(to_wire(result) if result is not None else None, dst=0, group=self.group)
         return [from_wire(StepResult, r) for r in out if r is not None] if out is not None else None
 
