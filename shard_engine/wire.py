@@ -9,12 +9,16 @@ refusing what does not fit them, is the receiver's (``server.engine.wire`` for t
 record per error in ``loaders.errors``). A value that is not plain data, or bytes that are not
 msgpack, raise :class:`WireError`.
 
-On the wire a value is two tensors: its length (int64, shape [1]), then its bytes (uint8; the
-gathers pad each rank's to the longest). They go over ``group`` on its own device: the CPU for
-gloo, this rank's GPU for NCCL (the default group under ``--device cuda``). Every function is a
-collective: every rank of ``group`` calls it, in the same order, whatever its value. Symmetry is
-kept inside too: a value that cannot be encoded is sent as length 0, so every rank enters the
-same collectives and every rank raises (the lengths go first, and every rank sees them all).
+On the wire a value is one frame of :data:`FRAME_BYTES` uint8s: its length (8 bytes, little
+endian), then as much of its bytes as fit. A value longer than that follows in a second
+collective of its own (the gathers pad each rank's to the longest), which every rank enters
+because every rank has seen the lengths. A step's plan and results nearly always fit: one
+collective each way, not two (a length, then the bytes), which cost a control channel four gloo
+round trips a step. Frames go over ``group`` on its own device: the CPU for gloo, this rank's GPU
+for NCCL (the default group under ``--device cuda``). Every function is a collective: every rank
+of ``group`` calls it, in the same order, whatever its value. Symmetry is kept inside too: a
+value that cannot be encoded is sent as length 0, so every rank enters the same collectives and
+every rank raises (the gathers all-gather their frames, so every rank sees every length).
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ import torch.distributed as dist
 
 MAX_BYTES = 1 << 30
 """The largest value received (a length above it is refused before anything is allocated)."""
+FRAME_BYTES = 16 << 10
+"""One collective's frame: an 8-byte length and up to FRAME_BYTES - 8 bytes of the value."""
+_HEADER = 8
+_INLINE = FRAME_BYTES - _HEADER
 
 
 class WireError(ValueError):
@@ -67,8 +75,24 @@ def _as_tensor(data: bytes, size: int, device: torch.device) -> torch.Tensor:
     return buf_N.to(device)
 
 
-def _decode_tensor(buf_N: torch.Tensor, length: int) -> object:
-    return decode(memoryview(buf_N[:length].cpu().numpy()))
+def _decode_tensor(buf_N: torch.Tensor, length: int, offset: int = 0) -> object:
+    return decode(memoryview(buf_N[offset:offset + length].cpu().numpy()))
+
+
+def _frame(data: bytes, device: torch.device) -> torch.Tensor:
+    """``data``'s frame: its length, then its first :data:`_INLINE` bytes, zero-padded."""
+    frame = bytearray(FRAME_BYTES)
+    frame[:_HEADER] = len(data).to_bytes(_HEADER, "little")
+    frame[_HEADER:_HEADER + min(len(data), _INLINE)] = data[:_INLINE]
+    return torch.frombuffer(frame, dtype=torch.uint8).to(device)
+
+
+def _frame_length(frame_F: torch.Tensor) -> int:
+    return int.from_bytes(frame_F[:_HEADER].cpu().numpy().tobytes(), "little")
+
+
+def _empty_frame(device: torch.device) -> torch.Tensor:
+    return torch.empty(FRAME_BYTES, dtype=torch.uint8, device=device)
 
 
 def _encode_for_wire(value) -> tuple[bytes, WireError | None]:
@@ -93,53 +117,62 @@ def broadcast(value, src: int, group=None):
     device = _device(group)
     mine = dist.get_rank() == src
     data, error = _encode_for_wire(value) if mine else (b"", None)
-    length_1 = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(length_1, src=src, group=group)
-    length = int(length_1.item())
+    frame_F = _frame(data, device) if mine else _empty_frame(device)
+    dist.broadcast(frame_F, src=src, group=group)
+    length = _frame_length(frame_F)
     if error is not None:
         raise error
     _check_length(length, src)  # before allocating what a peer announced; every rank sees the same
+    if length <= _INLINE:
+        return value if mine else _decode_tensor(frame_F, length, _HEADER)
     buf_N = _as_tensor(data, length, device) if mine else torch.empty(length, dtype=torch.uint8, device=device)
     dist.broadcast(buf_N, src=src, group=group)
     return value if mine else _decode_tensor(buf_N, length)
 
 
-def _lengths(value, group, device: torch.device) -> tuple[bytes, list[int]]:
-    """This rank's bytes and every rank's length (one all-gather); raises on every rank alike
-    where a rank could not encode its value or sent too much."""
+def _frames(value, group, device: torch.device) -> tuple[bytes, list[torch.Tensor], list[int]]:
+    """This rank's bytes, every rank's frame and length (one all-gather); raises on every rank
+    alike where a rank could not encode its value or sent too much."""
     data, error = _encode_for_wire(value)
     world = dist.get_world_size(group)
-    mine_1 = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    lengths = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(lengths, mine_1, group=group)
-    out = [int(t.item()) for t in lengths]
+    frames = [_empty_frame(device) for _ in range(world)]
+    dist.all_gather(frames, _frame(data, device), group=group)
+    lengths = [_frame_length(frame_F) for frame_F in frames]
     if error is not None:
         raise error
-    if not all(0 < n <= MAX_BYTES for n in out):
+    if not all(0 < n <= MAX_BYTES for n in lengths):
         ranks = dist.get_process_group_ranks(group) if group is not None else range(world)
-        for rank, length in zip(ranks, out):
+        for rank, length in zip(ranks, lengths):
             _check_length(length, rank)
-    return data, out
+    return data, frames, lengths
+
+
+def _padded(data: bytes, lengths: list[int], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """This rank's bytes padded to the longest value, and a buffer per rank for the values."""
+    size = max(lengths)
+    return _as_tensor(data, size, device), [torch.empty(size, dtype=torch.uint8, device=device) for _ in lengths]
 
 
 def all_gather(value, group=None) -> list:
     """Every rank's ``value``, in ``group``'s rank order, on every rank (decoded, its own too)."""
     device = _device(group)
-    data, lengths = _lengths(value, group, device)
-    size = max(lengths)
-    bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in lengths]
-    dist.all_gather(bufs, _as_tensor(data, size, device), group=group)
+    data, frames, lengths = _frames(value, group, device)
+    if max(lengths) <= _INLINE:
+        return [_decode_tensor(frame_F, n, _HEADER) for frame_F, n in zip(frames, lengths)]
+    mine_N, bufs = _padded(data, lengths, device)
+    dist.all_gather(bufs, mine_N, group=group)
     return [_decode_tensor(buf_N, n) for buf_N, n in zip(bufs, lengths)]
 
 
 def gather(value, dst: int, group=None) -> list | None:
     """On rank ``dst`` (a global rank): every rank's ``value`` in ``group``'s rank order (decoded,
-    its own too); None on the others. Two collectives: the lengths (all-gathered, so every rank
-    pads to the longest), then the bytes."""
+    its own too); None on the others. One all-gather of the frames (every rank sees every length),
+    then a gather of the whole values only where one did not fit its frame."""
     device = _device(group)
-    data, lengths = _lengths(value, group, device)
-    size = max(lengths)
+    data, frames, lengths = _frames(value, group, device)
     mine = dist.get_rank() == dst
-    bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in lengths] if mine else None
-    dist.gather(_as_tensor(data, size, device), bufs, dst=dst, group=group)
+    if max(lengths) <= _INLINE:
+        return [_decode_tensor(frame_F, n, _HEADER) for frame_F, n in zip(frames, lengths)] if mine else None
+    mine_N, bufs = _padded(data, lengths, device)
+    dist.gather(mine_N, bufs if mine else None, dst=dst, group=group)
     return [_decode_tensor(buf_N, n) for buf_N, n in zip(bufs, lengths)] if mine else None

@@ -67,9 +67,10 @@ def realistic_result(rank: int) -> StepResult:
 
 
 def _send_raw(data: bytes, group) -> None:
-    # shard_engine.wire's framing, by hand: the length (int64 [1]), then the bytes (uint8)
-    dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=0, group=group)
-    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=group)
+    # shard_engine.wire's framing, by hand: one frame, the length (8 bytes, little endian), then the bytes
+    assert len(data) <= wire.FRAME_BYTES - 8
+    frame = (len(data).to_bytes(8, "little") + data).ljust(wire.FRAME_BYTES, b"\0")
+    dist.broadcast(torch.frombuffer(bytearray(frame), dtype=torch.uint8), src=0, group=group)
 
 
 def _pickle_as_plan(rank, world_size, target):
@@ -142,12 +143,19 @@ def _plan_results_and_collectives(rank, world_size):
     at_one = wire.gather(by_rank[rank], dst=1)
     pair = dist.new_group([1, 2], backend="gloo")
     from_two = wire.broadcast(("stamp", rank), src=2, group=pair) if rank in (1, 2) else None
+    # values longer than a frame: a second collective, entered by every rank
+    big = {0: "y" * 40000, 1: 1, 2: ["z" * 20000]}
+    big_gathered = wire.all_gather(big[rank])
+    big_at_two = wire.gather(big[rank], dst=2)
+    big_from_zero = wire.broadcast(big[0] if rank == 0 else None, src=0)
+    big_ok = big_gathered == [big[0], big[1], big[2]] and big_from_zero == big[0] and (
+        big_at_two == [big[0], big[1], big[2]] if rank == 2 else big_at_two is None)
     try:  # rank 1's value is not plain data: every rank still enters the same collectives, and raises
         wire.all_gather(CreatesFile("/nonexistent-dir/never") if rank == 1 else rank)
         refused = None
     except WireError as e:
         refused = str(e)
-    return plan, results, shutdown, gathered, at_one, from_two, refused
+    return plan, results, shutdown, gathered, at_one, from_two, refused, big_ok
 
 
 def test_a_realistic_plan_and_results_cross_the_channel_unchanged(tmp_path):
@@ -167,6 +175,7 @@ def test_a_realistic_plan_and_results_cross_the_channel_unchanged(tmp_path):
     assert ranks[2][5] == ("stamp", 2)  # the sender keeps its own object
     assert "not plain data" in ranks[1][6]
     assert all("rank 1 could not encode its value" in r[6] for r in (ranks[0], ranks[2]))
+    assert all(r[7] for r in ranks)  # values longer than a frame, each way
 
 
 def test_errors_cross_as_records_of_an_allowlist():
