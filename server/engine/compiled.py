@@ -6,10 +6,10 @@ through one ``torch.compile``'d function (inductor), with FSDP2's hooks out of t
 (:class:`shard_engine.direct.DirectForward`): the Python of a few hundred module calls per step
 becomes one call of generated code. Its shapes are static: the batch is padded to the smallest
 bucket that holds it (vLLM's CUDA-graph capture sizes do the same), so each bucket is one graph
-traced once at startup; only the KV pools' slot count and the sequences' context length, a size
-that reaches nothing but the decode attention op (:mod:`server.engine.kernels`), stay symbolic. Static graphs trace in a
-fraction of a dynamic one's time (torch 2.13's symbolic-shape work over a deep model was most of
-the startup) and are what CUDA graphs need. Steps with prompt chunks, and decode steps larger
+traced once at startup; only the KV pools' slot count and the sequences' context length (a size
+that reaches nothing but the decode attention op, :mod:`server.engine.kernels`) stay symbolic.
+Static graphs trace in a fraction of a dynamic one's time (torch 2.13's symbolic-shape work over
+a deep model was most of the startup) and are what CUDA graphs need. Steps with prompt chunks, and decode steps larger
 than the largest bucket (their cost is arithmetic), run eagerly. Eager stays the reference (the
 exactness tests compare the two token for token) and the fallback.
 
@@ -106,10 +106,6 @@ class CompiledDecode:
         # the context length varies every step: symbolic (it only sizes the attention op's inputs)
         for tensor, dim in ((decode.slots_SL, 1), (decode.valid_SL, 1), (decode.positions_L, 0)):
             torch._dynamo.mark_dynamic(tensor, dim)
-        # specialize_float: the modules' float attributes (norm epsilons, scales) are constants.
-        # As symbolic floats, torch 2.13 traced every graph twice (its pass that turns them into
-        # tensors gave up and restarted the analysis with them specialized).
-        # recompile_limit: a graph per bucket (a recompile past it would run eagerly)
         try:
             return self._call(kwargs)
         except RuntimeError as e:
@@ -124,6 +120,10 @@ class CompiledDecode:
             return self._call(kwargs)
 
     def _call(self, kwargs):
+        # specialize_float: the modules' float attributes (norm epsilons, scales) are constants.
+        # As symbolic floats, torch 2.13 traced every graph twice (its pass that turns them into
+        # tensors gave up and restarted the analysis with them specialized).
+        # recompile_limit: a graph per bucket (a recompile past it would run eagerly)
         with self._direct(), torch._dynamo.config.patch(specialize_float=True,
                                                         recompile_limit=len(self.batch_sizes) + 1), self._stance():
             return self._compiled(**kwargs)

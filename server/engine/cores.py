@@ -10,9 +10,9 @@ step on one thread, 45 on two).
 :class:`HostCores` lives on rank 0, beside the schedulers. Each step group's scheduler tells it,
 with every plan, which of its ranks have work; the plan then carries the intra-op threads its
 busy ranks use (``StepPlan.threads``): the host's cores over the ranks of that host with work,
-never fewer than a rank's own share. The ranks apply it before their forward
-(``RankEngine.step``: ``torch.set_num_threads``, which the matmuls follow at once; inductor's own
-kernels keep the count they were compiled with). Two groups that plan at the same moment may
+never fewer than a rank's own share. The ranks apply it before an eager forward
+(``RankEngine._forward``: ``torch.set_num_threads``, which the matmuls follow at once); a compiled
+forward runs at the count its graphs were compiled at, a guard of each. Two groups that plan at the same moment may
 both count the other idle: the host is oversubscribed for that one step, and each group's next
 plan counts again. GPU ranks are left as they are (their host threads feed a device).
 """
