@@ -230,18 +230,23 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
     return engine, per_rank
 
 
+def _weight_bytes(model) -> int:
+    """The model's parameters in bytes (whole tensors: a resident rank reads them all a step)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def _build_router(cfg: ServeConfig, loaded, groups, per_rank, state, device):
     """Rank 0: a scheduler per step group over its ranks' KV pools, one router in front."""
+    import torch
+
     from server.engine import BlockPool, Scheduler, StepGroupRouter
+    from server.engine.cores import MIN_WEIGHT_BYTES, HostCores
 
     limits = state.limits = _resolve_limits(cfg, loaded.config)
     share = -(-limits.max_concurrent_requests // len(groups))  # each group's running bound
     cores = None
-    if device.type == "cpu" and len(groups) > 1:  # a busy rank takes its host's idle cores
-        import torch
-
-        from server.engine.cores import HostCores
-
+    # a busy rank takes its host's idle cores (server.engine.cores), where a step streams weights
+    if device.type == "cpu" and len(groups) > 1 and _weight_bytes(loaded.model) >= MIN_WEIGHT_BYTES:
         world = sum(len(ranks) for ranks in groups)
         cores = HostCores(int(os.environ.get("LOCAL_WORLD_SIZE", world)), torch.get_num_threads(), world)
     schedulers = [
