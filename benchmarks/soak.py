@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import itertools
 import json
 import os
 import random
@@ -89,6 +90,7 @@ class Record:
     status: int | None = None
     detail: str | None = None
     what: str | None = None  # a malformed request's flaw
+    queue_ms: int | None = None  # the server's own queue time (TGI's x-queue-time header, /generate only)
 
 
 def build_body(endpoint: str, prompt: str, max_tokens: int, streamed: bool) -> dict:
@@ -144,6 +146,8 @@ async def _read_stream(client: httpx.AsyncClient, rec: Record, path: str, conten
 async def _read_whole(client: httpx.AsyncClient, rec: Record, path: str, content: bytes):
     r = await client.post(path, content=content, headers={"content-type": "application/json"})
     rec.status = r.status_code
+    if "x-queue-time" in r.headers:
+        rec.queue_ms = int(r.headers["x-queue-time"])
     if r.status_code == 200:
         body = r.json()
         rec.outcome = "finished" if _whole_finished(body) else "status_200"
@@ -287,23 +291,33 @@ async def raw_slot(kind: str, port: int, until: float, hold_s: float, max_tokens
 # -- probes: /health, /metrics, PSS ----------------------------------------------------------------
 class HealthProbe(threading.Thread):
     """GET /health every ``interval_s`` on a thread (and a connection) of its own, so that the
-    load generator's event loop does not delay it."""
+    load generator's event loop does not delay it; every ``gauge_every``-th probe also reads the
+    running and waiting sequences from /metrics (a time series of the queue)."""
 
-    def __init__(self, url: str, interval_s: float = 0.5):
+    def __init__(self, url: str, interval_s: float = 0.5, gauge_every: int = 4):
         super().__init__(name="health-probe", daemon=True)
-        self.url, self.interval_s = url, interval_s
+        self.url, self.interval_s, self.gauge_every = url, interval_s, gauge_every
         self.samples: list[tuple[float, float, int | None]] = []  # (time, latency s, status or None)
+        self.gauges: list[tuple[float, float | None, float | None]] = []  # (time, running, waiting)
         self.halt = threading.Event()
 
     def run(self) -> None:
         with httpx.Client(timeout=5) as client:
-            while not self.halt.wait(self.interval_s):
+            for i in itertools.count():
+                if self.halt.wait(self.interval_s):
+                    return
                 t0 = time.perf_counter()
                 try:
                     status = client.get(f"{self.url}/health").status_code
                 except httpx.HTTPError:
                     status = None
                 self.samples.append((t0, time.perf_counter() - t0, status))
+                if i % self.gauge_every == 0:
+                    try:
+                        m = read_metrics(self.url, client)
+                        self.gauges.append((t0, m["running"], m["waiting"]))
+                    except httpx.HTTPError:
+                        pass
 
     def summary(self, t0: float = 0.0, t1: float = float("inf")) -> dict:
         picked = [(lat, status) for t, lat, status in self.samples if t0 <= t < t1]
@@ -316,9 +330,9 @@ class HealthProbe(threading.Thread):
 _SAMPLE = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
 
 
-def read_metrics(url: str) -> dict:
+def read_metrics(url: str, client: httpx.Client | None = None) -> dict:
     """The gauges that must come back to idle, and the server's request and failure counters."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = (client or httpx).get(f"{url}/metrics", timeout=10).text
     out: dict = {"running": None, "waiting": None, "kv_used": {}, "kv_cached": {}, "requests": {}, "failures": {}}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
@@ -469,6 +483,41 @@ def latency_ms(records: list[Record], phase: str, streamed: bool, since: float =
     return {"n": len(values), **{f"p{p}": None if v is None else round(v * 1000, 1) for p, v in q.items()}}
 
 
+def windows(records: list[Record], gauges: list, phase: str, t0: float, t1: float, width_s: float = 60.0) -> list:
+    """The phase in ``width_s`` windows: by arrival, the well-behaved streamed TTFT (p50, p99) and
+    whole requests' server queue time (p99); by end, well-behaved requests finished a second; the
+    mean running and waiting sequences. Where a tail comes from: a stretch of the run, or all of it."""
+    out = []
+    start = t0
+    while start < t1:
+        end = start + width_s
+        mine = [r for r in records if r.phase == phase and r.kind == "well_behaved" and start <= r.start < end]
+        ttft = [r.first - r.start for r in mine if r.streamed and r.outcome == "finished" and r.first]
+        queue = [r.queue_ms for r in mine if r.queue_ms is not None]
+        done = sum(1 for r in records if r.phase == phase and r.kind == "well_behaved" and r.outcome == "finished"
+                   and start <= r.end < end)
+        g = [(run, wait) for t, run, wait in gauges if start <= t < end and run is not None]
+        out.append({"from_s": round(start - t0), "arrived": len(mine), "ttft_n": len(ttft),
+                    "ttft_p50_ms": round(percentile(ttft, 50) * 1000) if ttft else None,
+                    "ttft_p99_ms": round(percentile(ttft, 99) * 1000) if ttft else None,
+                    "queue_p99_ms": percentile(queue, 99) if queue else None,
+                    "finished_per_s": round(done / width_s, 2),
+                    "running": round(sum(x for x, _ in g) / len(g), 1) if g else None,
+                    "waiting": round(sum(y for _, y in g) / len(g), 1) if g else None})
+        start = end
+    return out
+
+
+def compact_records(records: list[Record], t0: float) -> dict:
+    """Every request as one row (times in seconds from ``t0``), for analysis after the run."""
+    def rel(t):
+        return None if t is None else round(t - t0, 3)
+    return {"columns": ["phase", "kind", "endpoint", "streamed", "start", "first", "end", "tokens", "outcome",
+                        "status", "queue_ms"],
+            "rows": [[r.phase, r.kind, r.endpoint, r.streamed, rel(r.start), rel(r.first), rel(r.end or None),
+                      r.tokens, r.outcome, r.status, r.queue_ms] for r in records]}
+
+
 def count_outcomes(records: list[Record]) -> dict:
     out: dict = {}
     for r in records:
@@ -511,6 +560,9 @@ def print_table(report: dict) -> None:
     for kind, r in report["raw_clients"].items():
         rows.append((kind, f"{r['connections']} conns, {r['closed_by_server']} closed by the server "
                            f"{r['close_after_s'] or ''}, {r['response_ended']} ended, {r['status_lines']}"))
+    for phase, ws in report["windows"].items():
+        rows.append((f"{phase} TTFT p99 by minute", ", ".join(f"{w['ttft_p99_ms'] / 1000:.0f}" if w["ttft_p99_ms"]
+                                                              else "-" for w in ws) + " s"))
     rec = report["recovery"]["last"]
     rows.append(("after the soak", f"running {rec['running']}, waiting {rec['waiting']}, KV used {rec['kv_used']}, "
                                    f"PSS MiB {rec['pss_mib']} (idle {report['idle']['pss_mib']})"))
@@ -610,6 +662,8 @@ def run(args) -> int:
     report["whole_e2e_ms"] = {p: latency_ms(records, p, False, marks[p] + report["settle_s"][p])
                               for p in ("baseline", "soak")}
     report["outcomes"] = count_outcomes(records)
+    report["windows"] = {p: windows(records, probe.gauges, p, marks[p], t1)
+                         for p, t1 in (("baseline", marks["soak"]), ("soak", marks["recovery"]))}
     report["malformed"] = {}
     for r in records:
         if r.kind == "malformed":
@@ -621,6 +675,7 @@ def run(args) -> int:
     report["lost_details"] = sorted({f"{r.kind} {r.endpoint}: {r.detail}" for r in records if r.outcome == "lost"})[:20]
     report["5xx_details"] = sorted({f"{r.kind} {r.endpoint} {r.what or ''} {r.status}: {r.detail}" for r in records
                                     if r.status and r.status >= 500})[:20]
+    report["records"] = compact_records(records, marks["capacity"])
     out = args.out or os.path.join(RESULTS, f"soak-cpu-{datetime.date.today().isoformat()}.json")
     with open(out, "w") as f:
         json.dump(report, f, indent=2, default=str)
