@@ -10,10 +10,16 @@ protocol class that adds the two missing deadlines, checked by one timer per con
 - **headers**: a request's headers must be whole within ``header_timeout_s`` of the connection
   opening, or of the previous response's end plus the keep-alive wait; else the client gets 408
   (where it had sent anything) and the connection is closed.
-- **slow reader**: a response whose bytes sit unsent (the kernel's socket buffer full, the
-  transport's buffer not shrinking) for ``slow_reader_timeout_s`` is cut: the transport is
-  aborted (``close`` would wait for the buffer to drain, which never happens) and the request is
-  marked disconnected, so its route sees ``http.disconnect`` and cancels its sequences.
+- **slow reader**: a response whose client has taken none of its bytes for
+  ``slow_reader_timeout_s`` while some wait for it is cut: the transport is aborted (``close``
+  would wait for the buffer to drain, which never happens) and the request is marked
+  disconnected, so its route sees ``http.disconnect`` and cancels its sequences. "Taken" is the
+  kernel's count of bytes the peer acknowledged (``TCP_INFO``'s ``tcpi_bytes_acked``, Linux) and
+  "waiting" its send queue (``SIOCOUTQ``) plus the transport's buffer: a stream that produces
+  slowly (a busy server: a few KB a second) fills the kernel's send buffer, which grows to
+  hundreds of KB, for minutes before the transport's own buffer grows at all, and a client that
+  reads nothing was held for the whole 300 s of a soak's slow readers that way. Where the kernel
+  says nothing (not Linux, not TCP), the transport's buffer not shrinking is the sign.
 
 Probes (``GET /health``, ``GET /ready``) are answered past the connection cap: a flood of idle
 sockets must not make an orchestrator restart a healthy group. The body deadline lives in ``server.http.guard`` (it reads bodies). This module knows uvicorn's h11
@@ -23,7 +29,11 @@ uvicorn versions ``pyproject.toml`` allows and tested with real sockets (tests/t
 
 from __future__ import annotations
 
+import fcntl
 import json
+import socket
+import struct
+import termios
 import time
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -36,6 +46,26 @@ PROBES = (b"GET /health ", b"GET /health?", b"GET /ready ", b"GET /ready?", b"HE
 _TIMEOUT_BODY = json.dumps({"error": "request headers not received in time", "error_type": "timeout"}).encode()
 _REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
                     b"content-length: " + str(len(_TIMEOUT_BODY)).encode() + b"\r\n\r\n" + _TIMEOUT_BODY)
+_LINGER_RESET = struct.pack("ii", 1, 0)
+"""SO_LINGER on with a zero timeout: close() resets the connection and drops the send queue."""
+_TCP_INFO_LEN = 128
+_BYTES_ACKED = struct.Struct("=Q")
+_BYTES_ACKED_AT = 120
+"""``struct tcp_info``: ``tcpi_bytes_acked`` (u64) at byte 120 (Linux 4.1 on; the layout only grows)."""
+
+
+def kernel_send_state(sock) -> tuple[int, int] | None:
+    """(bytes in the kernel's send queue, not yet acknowledged by the peer; bytes the peer has
+    acknowledged so far) of a TCP socket, or None where the kernel does not say (not Linux, not
+    TCP, a closed socket)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+        if len(info) < _BYTES_ACKED_AT + _BYTES_ACKED.size:
+            return None
+        queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, AttributeError, ValueError):
+        return None
+    return queued, _BYTES_ACKED.unpack_from(info, _BYTES_ACKED_AT)[0]
 
 
 def guarded_protocol(*, header_timeout_s: float, slow_reader_timeout_s: float, metrics=None) -> type:
@@ -49,8 +79,11 @@ def guarded_protocol(*, header_timeout_s: float, slow_reader_timeout_s: float, m
             self._awaiting_since: float | None = now  # waiting for a request's headers since then
             self._received = False  # bytes of the awaited request have arrived
             self._cycle_seen = None
-            self._stalled_since: float | None = None  # the write buffer has not shrunk since then
+            self._stalled_since: float | None = None  # the client has taken nothing since then
             self._buffered = 0
+            self._acked = 0  # bytes the peer had acknowledged at the last check (the kernel's count)
+            sock = transport.get_extra_info("socket")
+            self._kernel = sock if sock is not None and kernel_send_state(sock) is not None else None
             self._tick = self.loop.call_later(TICK_S, self._check)
 
         def connection_lost(self, exc) -> None:
@@ -89,15 +122,32 @@ def guarded_protocol(*, header_timeout_s: float, slow_reader_timeout_s: float, m
                 self.transport.close()
                 return
             buffered = self.transport.get_write_buffer_size()
-            if buffered == 0 or buffered < self._buffered:
-                self._stalled_since = None if buffered == 0 else now
+            responding = self.cycle is not None and not self.cycle.response_complete
+            state = kernel_send_state(self._kernel) if self._kernel is not None and responding else None
+            if state is not None:  # the kernel's word: what waits in its queue, what the peer took
+                queued, acked = state
+                waiting, took = buffered + queued, acked > self._acked
+                self._acked = acked
+            else:
+                waiting, took = buffered, buffered < self._buffered
+            if waiting == 0 or took:
+                self._stalled_since = None if waiting == 0 else now
             elif self._stalled_since is None:
                 self._stalled_since = now
             self._buffered = buffered
             if self._stalled_since is not None and now - self._stalled_since > slow_reader_timeout_s:
                 self._count("slow_reader")
-                # abort, not close (which waits for the buffer to drain): connection_lost follows,
-                # which marks the request disconnected and wakes a send() waiting to write
+                # a reset, not a FIN queued behind bytes the client will never take: the kernel drops
+                # its send queue at once (else the orphaned socket holds it for minutes), the client
+                # learns at once. abort, not close (which waits for the buffer to drain):
+                # connection_lost follows, which marks the request disconnected and wakes a send()
+                # waiting to write
+                sock = self.transport.get_extra_info("socket")
+                if sock is not None:
+                    try:
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+                    except OSError:
+                        pass
                 self.transport.abort()
                 return
             self._tick = self.loop.call_later(TICK_S, self._check)
