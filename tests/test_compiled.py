@@ -197,21 +197,24 @@ def _decode_by_hand(q_HSd, k_HNd, v_HNd, slots_SL, contexts_S, scale, window, so
     return out
 
 
+@pytest.mark.parametrize("contexts", [[5, 17, 9], [3, 700, 40, 300, 650]], ids=["one-group", "spread"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
-def test_paged_decode_op_is_well_formed_and_computes_each_variant(heads, kv_heads):
+def test_paged_decode_op_is_well_formed_and_computes_each_variant(heads, kv_heads, contexts):
     """``torch.ops.hsdp.paged_decode``: its schema, fake implementation and compile's view of it
     (strides included) agree with what it computes (torch.library.opcheck), and it equals
     attention by hand for plain, windowed, soft-capped and sinks layers, grouped query heads or
-    not, values of another dim."""
+    not, values of another dim; contexts far apart computed in groups."""
     from server.engine import kernels
 
     g = torch.Generator().manual_seed(0)
-    dim, value_dim, slots = 8, 6, 64
-    contexts = torch.tensor([5, 17, 9])
+    dim, value_dim, slots = 8, 6, 4096
+    num_seqs = len(contexts)
+    assert (kernels.context_groups(contexts) is None) == (max(contexts) < 256)
+    contexts = torch.tensor(contexts)
     longest = int(contexts.max())
-    slots_SL = torch.randperm(slots, generator=g)[:3 * longest].view(3, longest)
+    slots_SL = torch.randperm(slots, generator=g)[:num_seqs * longest].view(num_seqs, longest)
     valid_SL = torch.arange(longest)[None, :] < contexts[:, None]
-    q = torch.randn(heads, 3, dim, generator=g)
+    q = torch.randn(heads, num_seqs, dim, generator=g)
     k, v = torch.randn(kv_heads, slots, dim, generator=g), torch.randn(kv_heads, slots, value_dim, generator=g)
     variants = ((kernels.NO_WINDOW, kernels.NO_SOFTCAP, None), (4, kernels.NO_SOFTCAP, None),
                 (kernels.NO_WINDOW, 3.0, None), (6, 2.0, torch.randn(heads, generator=g)))
@@ -222,3 +225,24 @@ def test_paged_decode_op_is_well_formed_and_computes_each_variant(heads, kv_head
         want = _decode_by_hand(q, k, v, slots_SL, contexts, 0.3, window, softcap, sinks)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"window {window}, softcap {softcap}")
         assert got.is_contiguous(), got.stride()  # what the fake implementation promises
+
+
+def test_decode_groups_gather_at_most_twice_their_contexts():
+    """One long sequence among short ones: each group gathers at most GROUP_SPREAD x its own
+    contexts (or the floor), never the longest context for every sequence."""
+    from server.engine.kernels import GROUP_FLOOR, GROUP_SPREAD, context_groups
+
+    contexts = [60] * 63 + [1000]
+    groups = context_groups(contexts)
+    assert sorted(r for rows in groups for r in rows) == list(range(64))
+    gathered = sum(len(rows) * max(contexts[r] for r in rows) for rows in groups)
+    assert gathered == 63 * 60 + 1000  # not 64 * 1000
+    import random
+    rng = random.Random(0)
+    for _ in range(200):
+        contexts = [rng.choice([rng.randint(1, 50), rng.randint(1, 5000)]) for _ in range(rng.randint(2, 40))]
+        groups = context_groups(contexts) or [list(range(len(contexts)))]
+        assert sorted(r for rows in groups for r in rows) == list(range(len(contexts)))
+        for rows in groups:
+            lo, hi = min(contexts[r] for r in rows), max(contexts[r] for r in rows)
+            assert hi <= GROUP_SPREAD * max(lo, GROUP_FLOOR), (lo, hi)

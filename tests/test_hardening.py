@@ -249,6 +249,47 @@ def test_a_full_shared_memory_is_a_named_error_not_sigbus(tmp_path, monkeypatch)
         os.close(fd)
 
 
+def test_a_slow_stream_to_a_client_that_reads_nothing_is_cut_off():
+    """A stream that produces slowly (a busy server: 1 KB every 0.4 s) to a client that reads
+    nothing: the kernel's send buffer takes tens of KB before the transport's own buffer grows, so
+    a cut that waited for the latter came many seconds (in a soak, minutes) late. The kernel's
+    count of bytes the peer acknowledged stops at once: cut within the timeout of that."""
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    from server.config import ServeConfig
+    from server.http.listener import start_http_server
+    from tests.server_process import free_port
+
+    async def slow(request):
+        async def frames():
+            for _ in range(200):
+                yield b"data: " + b"x" * 1018 + b"\n\n"
+                await asyncio.sleep(0.4)
+        return StreamingResponse(frames(), media_type="text/event-stream")
+
+    cfg = ServeConfig(port=free_port(), slow_reader_timeout_s=1.0)
+    server = start_http_server(Starlette(routes=[Route("/slow", slow)]), cfg)
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", cfg.port))
+        s.sendall(b"GET /slow HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        start = time.monotonic()
+        # the client's window (a few KB) is full within ~5 frames, 2 s; the kernel's send buffer
+        # (16 KB and growing) would take 40 frames and more
+        while s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == 1 and time.monotonic() - start < 30:
+            time.sleep(0.1)
+        closed_after = time.monotonic() - start
+    finally:
+        s.close()
+        server.should_exit = True
+    assert closed_after < 7.0, f"cut after {closed_after:.1f} s"
+
+
 def test_health_fails_while_a_step_group_is_stuck_with_work():
     from fastapi.testclient import TestClient
 
