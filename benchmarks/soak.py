@@ -5,6 +5,7 @@ among the well-behaved ones (issue 23's acceptance).
                               [--capacity-step 10] [--max-new-tokens 32] [--slow-readers 3]
                               [--stalled-uploads 3] [--hold 300] [--settle S]
                               [--server-args "--body-timeout 10 --slow-reader-timeout 10"] [--out FILE]
+                              [--records FILE]
 
 One server, serve.py's `hsdp` (the bench Llama on 2 CPU ranks, float32 unless --dtype says), then:
 
@@ -675,12 +676,15 @@ def run(args) -> int:
     report["lost_details"] = sorted({f"{r.kind} {r.endpoint}: {r.detail}" for r in records if r.outcome == "lost"})[:20]
     report["5xx_details"] = sorted({f"{r.kind} {r.endpoint} {r.what or ''} {r.status}: {r.detail}" for r in records
                                     if r.status and r.status >= 500})[:20]
-    report["records"] = compact_records(records, marks["capacity"])
     out = args.out or os.path.join(RESULTS, f"soak-cpu-{datetime.date.today().isoformat()}.json")
     with open(out, "w") as f:
         json.dump(report, f, indent=2, default=str)
         f.write("\n")
     log(f"wrote {out}")
+    if args.records:
+        with open(args.records, "w") as f:
+            json.dump(compact_records(records, marks["capacity"]), f, separators=(",", ":"))
+        log(f"wrote every request's row to {args.records}")
     print_table(report)
     return 0 if all(v["ok"] for v in report["acceptance"].values()) else 1
 
@@ -717,6 +721,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recovery-limit", type=float, default=60.0, help="seconds to come back to idle")
     parser.add_argument("--pss-tolerance", type=float, default=0.05, help="PSS over idle still counted as idle")
     parser.add_argument("--out", help="the JSON report (default: benchmarks/results/soak-cpu-DATE.json)")
+    parser.add_argument("--records", help="also write every request as one row (times from the capacity phase's "
+                        "start) to this JSON file: tens of thousands of rows, kept out of the report")
     return run(parser.parse_args(argv))
 
 
