@@ -8,8 +8,8 @@ from its own blocks:
 
 * decoding sequences (one query each) together, in one op (``torch.ops.hsdp.paged_decode``,
   :mod:`server.engine.kernels`, which a compiled forward does not trace into): their keys
-  gathered by slot into [kv heads, sequences, longest context, dim], two batched matmuls and a
-  float32 softmax;
+  gathered by slot into [kv heads, sequences, longest context, dim] (on CPU in groups of similar
+  context), two batched matmuls and a float32 softmax;
 * each prefill chunk alone, with SDPA over its own context and a [chunk, context] causal mask.
 
 Memory per layer is O(the tokens attended), never O(row x all keys): the chunk cap
@@ -34,7 +34,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from server.engine.kernels import NO_SOFTCAP, NO_WINDOW, probabilities
+from server.engine.kernels import NO_SOFTCAP, NO_WINDOW, paged_decode, probabilities
 
 ATTN_IMPLEMENTATION = "hsdp_paged"
 EXPLICIT_SCORES_BYTES = 64 << 20
@@ -224,7 +224,7 @@ class _Variant:
 def _attend_decode(group: _DecodeGroup, query_HTd, key_HNd, value_HNd, scale: float, variant: _Variant,
                    out_THd) -> None:
     # one opaque op (torch.compile does not trace into it: see server.engine.kernels)
-    out = torch.ops.hsdp.paged_decode(
+    out = paged_decode(
         query_HTd.index_select(1, group.rows_S), key_HNd, value_HNd, group.slots_SL, group.valid_SL,
         group.positions_L, group.contexts_S, float(scale),
         variant.window if variant.window is not None else NO_WINDOW,
