@@ -25,6 +25,8 @@ float32), one after the other, on this machine:
   hsdp-replicas  --replicate-size 2 --shard-size 1: two independent replicas, a rank (one thread)
                  each; against hsdp-1rank it is the replicas' scaling at the same threads per rank
                  (ratios_to_hsdp-1rank)
+  hsdp-plain-linears  --packed-linears off: linears on their plain weights (against hsdp in bf16:
+                 what oneDNN's prepacked weights gain)
 
 Load, streamed requests (so that the first token is seen when it comes):
   closed loop    C clients, each sending its next request when the last one ends, until each
@@ -58,7 +60,7 @@ from benchmarks.models import bench_checkpoint, compute_dtype, parameter_count
 from tests.server_process import REPO, free_port
 
 SERVERS = ("transformers", "vllm", "hsdp", "hsdp-compiled", "hsdp-sharded", "hsdp-gloo", "hsdp-resident", "hsdp-1rank",
-           "hsdp-replicas")
+           "hsdp-replicas", "hsdp-plain-linears")
 VLLM = os.environ.get("HSDP_BENCH_VLLM", os.path.expanduser("~/.vllm-venv/bin/vllm"))
 """vLLM's CPU build, in a venv of its own (../shared/PEERS.md says how to install it); a peer
 only where it is installed: the default server list leaves it out when it is not."""
@@ -157,7 +159,8 @@ def build_server(name: str, model_dir: str, log_dir: str, max_running: int, dtyp
     argv += {"hsdp": [], "hsdp-compiled": ["--compile", "decode"], "hsdp-sharded": ["--resident-units", "0"],
              "hsdp-gloo": ["--resident-units", "0", "--all-gather", "group"],
              "hsdp-resident": ["--resident-units", "all", "--all-gather", "group"],
-             "hsdp-1rank": [], "hsdp-replicas": ["--replicate-size", "2", "--shard-size", "1"]}[name]
+             "hsdp-1rank": [], "hsdp-replicas": ["--replicate-size", "2", "--shard-size", "1"],
+             "hsdp-plain-linears": ["--packed-linears", "off"]}[name]
     if name == "hsdp-1rank":  # one core: its rank takes one thread, as each replica's rank does
         argv = ["taskset", "-c", "0", *argv]
     return Server(name, argv, port, "/ready", model_dir, log_path)

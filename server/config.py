@@ -62,6 +62,7 @@ def read_secret_file(path: str, what: str) -> bytes:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALL_GATHERS = ("auto", "shm", "group")
 COMPILE_MODES = ("none", "decode")  # server.engine.compiled
+PACKED_LINEAR_MODES = ("auto", "on", "off")  # server.engine.linears
 TOOL_CALL_PARSERS = ("hermes",)  # server.api.openai.tools.FORMATS, checked there
 
 
@@ -272,6 +273,12 @@ class ServeConfig:
     compile_batch_sizes: tuple[int, ...] = option(
         (1, 2, 4, 8, 16), "--compile decode: the batch sizes a rank's decode step is padded to, a graph each, compiled "
         "at startup; larger decode steps run eagerly", "speed", type=parse_batch_sizes, metavar="N,N,...")
+    packed_linears: str = option(
+        "auto", "linear layers on oneDNN's prepacked weights (CPU: torch's plain bf16 linear reads a weight at about "
+        "half their speed; one more private copy of the linears' weights per rank); auto: bf16 models with every unit "
+        "resident whose copies take at most a quarter of the available memory; on: also float32 (may differ from "
+        "eager in the last bits); off",
+        "speed", choices=PACKED_LINEAR_MODES)
     resident_units: int | None = option(
         None, "units (in forward order) that keep their gathered parameters; all: every unit; auto: all where the "
         "shard group shares one host's memory (one shared copy per host, no more memory than the shards), else 0",

@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 
 from server.config import ServeConfig, parse_serve_config, unknown_variables
@@ -95,6 +96,35 @@ def _make_resident(model, cfg: ServeConfig, device):
                 return residency
         return set_resident_units(model, 0)
     return set_resident_units(model, cfg.resident_units, shared=share)
+
+
+def _pack_linears(model, cfg: ServeConfig, device, residency) -> int:
+    """``--packed-linears`` (server.engine.linears): the packed copies' bytes, 0 where none were made."""
+    if cfg.packed_linears == "off":
+        return 0
+    from server.engine.linears import (
+        AUTO_MEMORY_SHARE,
+        PACKED_DTYPES,
+        linear_weight_bytes,
+        pack_linears,
+        packing_refusal,
+    )
+    from server.engine.rank import _available_memory
+
+    on = cfg.packed_linears == "on"
+    why = packing_refusal(model, device, (torch.bfloat16, torch.float32) if on else PACKED_DTYPES)
+    if why is None and not residency.everything:
+        why = "not every unit is resident (--resident-units)"
+    if why is None and not on:
+        copies = linear_weight_bytes(model) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if copies > AUTO_MEMORY_SHARE * _available_memory():
+            why = f"the copies ({copies / 1e9:.2f} GB for this host's ranks) would take over a quarter of its memory"
+    if why is not None:
+        if on:
+            raise ValueError(f"--packed-linears on: {why}")
+        logger.info("linears on their plain weights (--packed-linears auto: %s)", why)
+        return 0
+    return pack_linears(model)
 
 
 def serve_rank(cfg: ServeConfig, source) -> None:
@@ -203,10 +233,12 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
                                                          timeout_s=cfg.collective_timeout_s)
         if group.shm_pool is None and cfg.all_gather == "shm":
             raise ValueError("--all-gather shm: the ranks cannot share memory (see the log); use auto or group")
+    packed = _pack_linears(loaded.model, cfg, device, residency)  # before the KV pool takes what is left
     geometry = KVGeometry.of(loaded.model)
     available = size_kv_pool(cfg.kv_cache_memory, geometry, cfg.kv_block_size, device)
     # every rank, once; also the barrier between measuring free memory and allocating the pools
-    per_rank = wire.all_gather([loaded.stats.bytes_read, residency.extra_bytes, available])
+    # (the packed linears' copies count as the rank's resident memory beyond its shards)
+    per_rank = wire.all_gather([loaded.stats.bytes_read, residency.extra_bytes + packed, available])
     engine = RankEngine(loaded.model, device, dist.get_rank(), num_blocks=available, block_size=cfg.kv_block_size,
                         tokenizer=loaded.tokenizer)
     if cfg.compile == "decode":
@@ -220,7 +252,7 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
     shards -= weights.shard_view_bytes if weights is not None else 0
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     # each shard group maps its own ring: its sharers are the group's ranks (all on this host)
-    engine.memory = MemoryReport(shards=shards, resident=residency.extra_bytes, kv_pool=engine.cache.nbytes,
+    engine.memory = MemoryReport(shards=shards, resident=residency.extra_bytes + packed, kv_pool=engine.cache.nbytes,
                                  ring=group.shm_pool, ring_sharers=min(local_ranks, mesh_shape[1]),
                                  shared_weights=residency.shared_bytes, shared_weights_sharers=residency.shared_with)
     if dist.get_rank() == 0:
