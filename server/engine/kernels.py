@@ -85,12 +85,12 @@ def _paged_decode(query_HSd: torch.Tensor, key_HNd: torch.Tensor, value_HNd: tor
     context; ``window`` / ``softcap`` :data:`NO_WINDOW` / :data:`NO_SOFTCAP` where the layer has
     none; ``sinks_H`` one logit per head or None. Returns [S, heads, dv]; on CPU computed in
     :func:`context_groups`' groups."""
-    groups = context_groups(contexts_S.tolist()) if contexts_S.device.type == "cpu" and len(contexts_S) > 1 else None
+    contexts = contexts_S.tolist() if contexts_S.device.type == "cpu" and len(contexts_S) > 1 else None
+    groups = context_groups(contexts) if contexts is not None else None
     if groups is None:
         return _attend(query_HSd, key_HNd, value_HNd, slots_SL, valid_SL, positions_L, contexts_S, scale, window,
                        softcap, sinks_H)
     out = query_HSd.new_empty(query_HSd.shape[1], query_HSd.shape[0], value_HNd.shape[-1])
-    contexts = contexts_S.tolist()
     for rows in groups:
         longest = contexts[rows[-1]]
         index = torch.tensor(rows, device=query_HSd.device)
