@@ -233,12 +233,12 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
                                                          timeout_s=cfg.collective_timeout_s)
         if group.shm_pool is None and cfg.all_gather == "shm":
             raise ValueError("--all-gather shm: the ranks cannot share memory (see the log); use auto or group")
-    packed = _pack_linears(loaded.model, cfg, device, residency)  # before the KV pool takes what is left
+    # before the KV pool takes what is left; the packed copies count as the rank's resident memory beyond its shards
+    extra = residency.extra_bytes + _pack_linears(loaded.model, cfg, device, residency)
     geometry = KVGeometry.of(loaded.model)
     available = size_kv_pool(cfg.kv_cache_memory, geometry, cfg.kv_block_size, device)
     # every rank, once; also the barrier between measuring free memory and allocating the pools
-    # (the packed linears' copies count as the rank's resident memory beyond its shards)
-    per_rank = wire.all_gather([loaded.stats.bytes_read, residency.extra_bytes + packed, available])
+    per_rank = wire.all_gather([loaded.stats.bytes_read, extra, available])
     engine = RankEngine(loaded.model, device, dist.get_rank(), num_blocks=available, block_size=cfg.kv_block_size,
                         tokenizer=loaded.tokenizer)
     if cfg.compile == "decode":
@@ -252,7 +252,7 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
     shards -= weights.shard_view_bytes if weights is not None else 0
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     # each shard group maps its own ring: its sharers are the group's ranks (all on this host)
-    engine.memory = MemoryReport(shards=shards, resident=residency.extra_bytes + packed, kv_pool=engine.cache.nbytes,
+    engine.memory = MemoryReport(shards=shards, resident=extra, kv_pool=engine.cache.nbytes,
                                  ring=group.shm_pool, ring_sharers=min(local_ranks, mesh_shape[1]),
                                  shared_weights=residency.shared_bytes, shared_weights_sharers=residency.shared_with)
     if dist.get_rank() == 0:
