@@ -197,13 +197,15 @@ def _decode_by_hand(q_HSd, k_HNd, v_HNd, slots_SL, contexts_S, scale, window, so
     return out
 
 
-@pytest.mark.parametrize("contexts", [[5, 17, 9], [3, 700, 40, 300, 650]], ids=["one-group", "spread"])
+@pytest.mark.parametrize("contexts", [[5, 17, 9], [3, 700, 40, 300, 650], [9], [12, 12, 12], [300, 300, 650, 650]],
+                         ids=["one-group", "spread", "one-sequence", "one-context", "spread-one-context-each"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
 def test_paged_decode_op_is_well_formed_and_computes_each_variant(heads, kv_heads, contexts):
     """``torch.ops.hsdp.paged_decode``: its schema, fake implementation and compile's view of it
     (strides included) agree with what it computes (torch.library.opcheck), and it equals
     attention by hand for plain, windowed, soft-capped and sinks layers, grouped query heads or
-    not, values of another dim; contexts far apart computed in groups."""
+    not, values of another dim; contexts far apart computed in groups; a group whose sequences
+    all have one context (no padded slot) computed without a mask."""
     from server.engine import kernels
 
     g = torch.Generator().manual_seed(0)

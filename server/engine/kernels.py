@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from server.engine.cores import follow_threads
+
 NO_WINDOW = 0
 NO_SOFTCAP = 0.0
 """How "the layer has none" is spelled in the op's arguments (a schema has no optional scalars
@@ -85,24 +87,30 @@ def _paged_decode(query_HSd: torch.Tensor, key_HNd: torch.Tensor, value_HNd: tor
     context; ``window`` / ``softcap`` :data:`NO_WINDOW` / :data:`NO_SOFTCAP` where the layer has
     none; ``sinks_H`` one logit per head or None. Returns [S, heads, dv]; on CPU computed in
     :func:`context_groups`' groups."""
-    contexts = contexts_S.tolist() if contexts_S.device.type == "cpu" and len(contexts_S) > 1 else None
+    follow_threads()  # inside a compiled step: the plan's threads (server.engine.cores)
+    on_cpu = contexts_S.device.type == "cpu"
+    contexts = contexts_S.tolist() if on_cpu and len(contexts_S) > 1 else None
     groups = context_groups(contexts) if contexts is not None else None
     if groups is None:
-        return _attend(query_HSd, key_HNd, value_HNd, slots_SL, valid_SL, positions_L, contexts_S, scale, window,
-                       softcap, sinks_H)
+        # one sequence, or all of one context, has every slot valid: no mask to build or apply
+        full = on_cpu and (contexts is None or min(contexts) == max(contexts))
+        return _attend(query_HSd, key_HNd, value_HNd, slots_SL, None if full else valid_SL, positions_L, contexts_S,
+                       scale, window, softcap, sinks_H)
     out = query_HSd.new_empty(query_HSd.shape[1], query_HSd.shape[0], value_HNd.shape[-1])
     for rows in groups:
         longest = contexts[rows[-1]]
         index = torch.tensor(rows, device=query_HSd.device)
+        valid = None if contexts[rows[0]] == longest else valid_SL.index_select(0, index)[:, :longest]
         out[index] = _attend(query_HSd.index_select(1, index), key_HNd, value_HNd,
-                             slots_SL.index_select(0, index)[:, :longest], valid_SL.index_select(0, index)[:, :longest],
+                             slots_SL.index_select(0, index)[:, :longest], valid,
                              positions_L[:longest], contexts_S.index_select(0, index), scale, window, softcap, sinks_H)
     return out
 
 
 def _attend(query_HSd, key_HNd, value_HNd, slots_SL, valid_SL, positions_L, contexts_S, scale: float, window: int,
             softcap: float, sinks_H) -> torch.Tensor:
-    """:func:`_paged_decode` over one group: every sequence gathered to the group's longest context."""
+    """:func:`_paged_decode` over one group: every sequence gathered to the group's longest context;
+    ``valid_SL`` None where every sequence has all of it."""
     heads, num_seqs, dim = query_HSd.shape
     kv_heads, value_dim = key_HNd.shape[0], value_HNd.shape[-1]
     groups = heads // kv_heads
@@ -112,12 +120,16 @@ def _attend(query_HSd, key_HNd, value_HNd, slots_SL, valid_SL, positions_L, cont
     v = value_HNd.index_select(1, slots).view(kv_heads, num_seqs, -1, value_dim)
     valid = valid_SL
     if window != NO_WINDOW:
-        valid = valid & (positions_L[None, :] >= (contexts_S - window)[:, None])
+        in_window = positions_L[None, :] >= (contexts_S - window)[:, None]
+        valid = in_window if valid is None else valid & in_window
     if softcap == NO_SOFTCAP and sinks_H is None:
         # one fused kernel (the prompt chunks' too) in place of seven ops: the host time of a decode step
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[None, :, None, :], scale=scale)
+        mask = None if valid is None else valid[None, :, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:  # soft-capping or sinks, which SDPA lacks: the models' eager arithmetic
         scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [Hkv, S, G, L]
+        if valid is None:
+            valid = torch.ones_like(slots_SL, dtype=torch.bool)
         probs = probabilities(scores, valid[None, :, None, :], softcap if softcap != NO_SOFTCAP else None, sinks_H,
                               (kv_heads, 1, groups, 1))
         out = torch.matmul(probs.to(v.dtype), v)  # [Hkv, S, G, dv]
