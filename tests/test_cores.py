@@ -43,3 +43,39 @@ def test_the_scheduler_puts_the_threads_in_its_plans():
     assert not idle.forward
     schedulers[1].submit(RequestHandle([8, 9], SamplingParams(max_new_tokens=4), deliver=lambda e: None))
     assert schedulers[1].next_plan().threads == 1  # rank 0 busy too: a core each
+
+
+def test_a_compiled_steps_opaque_ops_take_the_plans_threads():
+    """A graph compiled at one thread is entered at one thread (dynamo guards on the count); inside
+    ``threads_inside``, the first opaque op it calls (a linear, the decode attention) switches to
+    the plan's count, so the matmuls use the idle ranks' cores; the next call, entered at one
+    thread again, runs the same graph: nothing recompiled, the products unchanged."""
+    import torch
+    import torch._dynamo.utils
+
+    import server.engine.linears  # noqa: F401 - registers torch.ops.hsdp.linear
+    from server.engine.cores import follow_threads, threads_inside
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        follow_threads()  # outside a compiled step: nothing changes
+        assert torch.get_num_threads() == 1
+
+        def two_linears(x, w):
+            return torch.ops.hsdp.linear(torch.ops.hsdp.linear(x, w, None).relu(), w, None)
+
+        compiled = torch.compile(two_linears, dynamic=False)
+        x, w = torch.randn(3, 8), torch.randn(8, 8)
+        want = two_linears(x, w)
+        torch.testing.assert_close(compiled(x, w), want)  # compiles at one thread
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        for _ in range(2):
+            torch.set_num_threads(1)
+            with threads_inside(2), torch.compiler.set_stance("fail_on_recompile"):
+                got = compiled(x, w)
+            assert torch.get_num_threads() == 2  # the ops switched once inside
+            torch.testing.assert_close(got, want)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    finally:
+        torch.set_num_threads(before)

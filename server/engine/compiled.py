@@ -35,6 +35,8 @@ import time
 import torch
 from torch import nn
 
+from server.engine.cores import threads_inside
+
 logger = logging.getLogger(__name__)
 
 WARM_UP_CONTEXTS = (5, 7)
@@ -100,14 +102,17 @@ class CompiledDecode:
         self.padded_rows += extra
         return True
 
-    def forward(self, **kwargs):
+    def forward(self, threads: int = 0, **kwargs):
+        """The model's forward over a padded decode step; ``threads``: the intra-op threads its
+        opaque ops run at (the plan's, :mod:`server.engine.cores`; 0: the graphs' own count)."""
         self.calls += 1
         decode = kwargs["hsdp_paged"].decode
         # the context length varies every step: symbolic (it only sizes the attention op's inputs)
         for tensor, dim in ((decode.slots_SL, 1), (decode.valid_SL, 1), (decode.positions_L, 0)):
             torch._dynamo.mark_dynamic(tensor, dim)
         try:
-            return self._call(kwargs)
+            with threads_inside(threads):
+                return self._call(kwargs)
         except RuntimeError as e:
             # a call no graph fits (what pad() admits should never be one): under
             # skip_guard_eval_unsafe torch raises before running anything; from now on every
@@ -117,7 +122,9 @@ class CompiledDecode:
             logger.warning("compiled decode: a step no compiled graph fits (%s); guards evaluated in full from now on",
                            {k: tuple(v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
             self.skip_guards = False
-            return self._call(kwargs)
+            torch.set_num_threads(self.threads)
+            with threads_inside(threads):
+                return self._call(kwargs)
 
     def _call(self, kwargs):
         # specialize_float: the modules' float attributes (norm epsilons, scales) are constants.

@@ -11,8 +11,15 @@ step on one thread, 45 on two).
 with every plan, which of its ranks have work; the plan then carries the intra-op threads its
 busy ranks use (``StepPlan.threads``): the host's cores over the ranks of that host with work,
 never fewer than a rank's own share. The ranks apply it before an eager forward
-(``RankEngine._forward``: ``torch.set_num_threads``, which the matmuls follow at once); a compiled
-forward runs at the count its graphs were compiled at, a guard of each. Two groups that plan at the same moment may
+(``RankEngine._forward``: ``torch.set_num_threads``, which the matmuls follow at once).
+
+A compiled forward must be entered at the thread count its graphs were compiled at (the rank's
+own share): torch.compile guards on it (dynamo's global-state guard) and inductor's generated
+kernels hold it as a constant. Its opaque ops (the packed linears, the decode attention: most of
+a step's time) read the thread count when they run, so they follow the plan all the same: the
+compiled call runs inside :func:`threads_inside`, and the first of them to run switches to the
+plan's count (:func:`follow_threads`); the graph's own kernels keep theirs, and the next call is
+entered at the compiled count again. Two groups that plan at the same moment may
 both count the other idle: the host is oversubscribed for that one step, and each group's next
 plan counts again. GPU ranks are left as they are (their host threads feed a device), and so are
 models smaller than :data:`MIN_WEIGHT_BYTES`.
@@ -20,7 +27,11 @@ models smaller than :data:`MIN_WEIGHT_BYTES`.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+
+import torch
 
 MIN_WEIGHT_BYTES = 64 << 20
 """Models whose weights are fewer bytes than this keep one share of cores per rank: their step is
@@ -57,3 +68,28 @@ class HostCores:
                 if self._host[rank] in working:
                     working[self._host[rank]] += 1
             return max(self.threads_per_rank, min(self.cores_per_host // working[host] for host in hosts))
+
+
+_threads_inside = 0
+"""The intra-op threads the opaque ops of the compiled forward in progress run at; 0 outside one.
+One rank's forwards run on one thread (its engine loop), so a module global serves it."""
+
+
+@contextlib.contextmanager
+def threads_inside(threads: int) -> Iterator[None]:
+    """Within: :func:`follow_threads` (called by the opaque ops of a compiled forward) switches to
+    ``threads`` (0: leaves the count alone). The count stays switched afterwards; whoever enters a
+    compiled graph next sets the graph's own count first."""
+    global _threads_inside
+    _threads_inside = threads
+    try:
+        yield
+    finally:
+        _threads_inside = 0
+
+
+def follow_threads() -> None:
+    """Called first by each opaque op a compiled forward calls (``hsdp::linear``,
+    ``hsdp::paged_decode``): inside :func:`threads_inside`, the intra-op threads become its count."""
+    if _threads_inside and torch.get_num_threads() != _threads_inside:
+        torch.set_num_threads(_threads_inside)

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from server.engine.cores import follow_threads
+
 logger = logging.getLogger(__name__)
 
 PACKED_DTYPES = (torch.bfloat16,)
@@ -51,6 +53,7 @@ def _version(tensor: torch.Tensor) -> int:
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    follow_threads()  # inside a compiled step: the plan's threads (server.engine.cores)
     entry = _PACKED.get(weight.data_ptr())
     if entry is not None and entry[0].shape == weight.shape and entry[1] == _version(weight):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry[2], bias, "none", [], "")

@@ -11,6 +11,7 @@ The engine knows nothing of HTTP, of text, or of the control channel.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -197,8 +198,9 @@ class RankEngine:
         forward = self.model
         if decode_only and self.compiled is not None and self.compiled.pad(ids, positions, items, keep,
                                                                            self.cache.scratch_block):
-            forward = self.compiled.forward
-            threads = self.compiled.threads  # its graphs hold the thread count they were compiled at
+            # entered at the thread count its graphs were compiled at; its opaque ops take the plan's
+            forward = functools.partial(self.compiled.forward, threads=threads)
+            threads = self.compiled.threads
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # the idle ranks' cores (server.engine.cores)
         layout = PagedLayout.build(items, self.block_size, self.device)
