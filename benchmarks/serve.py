@@ -27,6 +27,9 @@ float32), one after the other, on this machine:
                  (ratios_to_hsdp-1rank)
   hsdp-plain-linears  --packed-linears off: linears on their plain weights (against hsdp in bf16:
                  what oneDNN's prepacked weights gain)
+  llama.cpp      llama.cpp's llama-server ($HSDP_BENCH_LLAMA_SERVER, built from source as
+                 docs/performance.md says) on --gguf, the same weights converted to a GGUF, every
+                 core of the host, one slot per client of the largest closed loop
 
 Load, streamed requests (so that the first token is seen when it comes):
   closed loop    C clients, each sending its next request when the last one ends, until each
@@ -59,11 +62,18 @@ import httpx
 from benchmarks.models import bench_checkpoint, compute_dtype, parameter_count
 from tests.server_process import REPO, free_port
 
-SERVERS = ("transformers", "vllm", "hsdp", "hsdp-compiled", "hsdp-sharded", "hsdp-gloo", "hsdp-resident", "hsdp-1rank",
-           "hsdp-replicas", "hsdp-plain-linears")
+SERVERS = ("transformers", "vllm", "llama.cpp", "hsdp", "hsdp-compiled", "hsdp-sharded", "hsdp-gloo", "hsdp-resident",
+           "hsdp-1rank", "hsdp-replicas", "hsdp-plain-linears")
+PEERS = ("transformers", "vllm", "llama.cpp", "hsdp-1rank")
+"""The servers each hsdp-serve variant is reported as a ratio to, where they ran."""
 VLLM = os.environ.get("HSDP_BENCH_VLLM", os.path.expanduser("~/.vllm-venv/bin/vllm"))
 """vLLM's CPU build, in a venv of its own (../shared/PEERS.md says how to install it); a peer
 only where it is installed: the default server list leaves it out when it is not."""
+LLAMA_SERVER = os.environ.get("HSDP_BENCH_LLAMA_SERVER", os.path.expanduser("~/.llama-cpp/bin/llama-server"))
+"""llama.cpp's server binary; a peer only with --gguf (the same weights as a GGUF file)."""
+LLAMA_SLOT_TOKENS = 1024
+"""Context per llama-server slot (its -c is this times its slots): a prompt of 32 words and the
+longest completion benchmarked fit."""
 PROMPT_WORDS = (
     "the server shards the weights of a causal language model over a group of ranks and every rank "
     "reads the checkpoint directly keeping only its rows of each tensor while rank zero answers "
@@ -140,9 +150,17 @@ class Server:
                     os.unlink(os.path.join("/dev/shm", name))
 
 
-def build_server(name: str, model_dir: str, log_dir: str, max_running: int, dtype: str) -> Server:
+def build_server(name: str, model_dir: str, log_dir: str, max_running: int, dtype: str, gguf: str | None = None,
+                 slots: int = 16) -> Server:
     port = free_port()
     log_path = os.path.join(log_dir, f"{name}.log")
+    if name == "llama.cpp":
+        if not gguf:
+            raise ValueError("llama.cpp needs --gguf: the benchmarked weights as a GGUF file")
+        cores = str(os.cpu_count())
+        argv = [LLAMA_SERVER, "-m", gguf, "-t", cores, "-tb", cores, "-np", str(slots), "-c",
+                str(slots * LLAMA_SLOT_TOKENS), "--host", "127.0.0.1", "--port", str(port)]
+        return Server(name, argv, port, "/health", model_dir, log_path)
     if name == "vllm":
         argv = [VLLM, "serve", model_dir, "--dtype", dtype, "--max-model-len", "2048", "--host", "127.0.0.1",
                 "--port", str(port), "--served-model-name", model_dir, "--max-num-seqs", str(max_running)]
@@ -363,7 +381,7 @@ def markdown(report: dict) -> str:
                 f"| {name} | {scenario} | {m['requests_per_s']} | {m['output_tokens_per_s']} | "
                 f"{m['ttft_ms']['p50']} / {m['ttft_ms']['p99']} | {m['tpot_ms']['p50']} / {m['tpot_ms']['p99']} | "
                 f"{m['e2e_ms']['p50']} / {m['e2e_ms']['p99']} | {m['failures']} of {m['requests']} |")
-    for peer in ("transformers", "vllm", "hsdp-1rank"):
+    for peer in PEERS:
         ratios = report.get(f"ratios_to_{peer}") or {}
         if ratios:
             lines += ["", f"| server / {peer} | scenario | output tok/s | TTFT p50 speed-up | TPOT p50 speed-up |",
@@ -378,9 +396,9 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="checkpoint directory (default: the 80M bench Llama, generated once)")
-    default_servers = [s for s in SERVERS if s != "vllm" or os.path.exists(VLLM)]
+    default_servers = [s for s in SERVERS if (s != "vllm" or os.path.exists(VLLM)) and s != "llama.cpp"]
     parser.add_argument("--servers", default=",".join(default_servers),
-                        help=f"any of {','.join(SERVERS)} (default: all, vllm where installed)")
+                        help=f"any of {','.join(SERVERS)} (default: all but llama.cpp, vllm where installed)")
     parser.add_argument("--concurrency", default="1,16,64", help="closed-loop client counts ('' for none)")
     parser.add_argument("--rate", default="", help="Poisson arrival rates per second, e.g. 2,8")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of Poisson arrivals (default 20)")
@@ -389,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint", choices=("openai", "tgi"), default="openai")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="auto: bf16 where the CPU has native bf16, else float32")
+    parser.add_argument("--gguf", help="the model's weights as a GGUF file, for the llama.cpp peer")
     parser.add_argument("--out", help="also write the JSON report here")
     parser.add_argument("--render", metavar="FILE", help="print a saved JSON report as Markdown tables, and exit")
     args = parser.parse_args(argv)
@@ -408,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as log_dir:
         for name in servers:
-            server = build_server(name, model_dir, log_dir, max_running, dtype)
+            slots = max([int(v) for k, v in scenarios if k == "concurrency"] + [1])
+            server = build_server(name, model_dir, log_dir, max_running, dtype, gguf=args.gguf, slots=slots)
             try:
                 ready_s = server.start()
                 results[name] = {"argv": server.argv, "ready_s": round(ready_s, 2),
@@ -426,9 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": model_dir, "parameters": parameter_count(model_dir), "dtype": dtype,
         "max_new_tokens": args.max_new_tokens, "endpoint": args.endpoint, "cpu_count": os.cpu_count(),
         "results": results,
-        "ratios_to_transformers": ratios(results, "transformers") if "transformers" in results else None,
-        "ratios_to_vllm": ratios(results, "vllm") if "vllm" in results else None,
-        "ratios_to_hsdp-1rank": ratios(results, "hsdp-1rank") if "hsdp-1rank" in results else None,
+        **{f"ratios_to_{peer}": ratios(results, peer) if peer in results else None for peer in PEERS},
     }
     text = json.dumps(report, indent=2)
     print(text)
