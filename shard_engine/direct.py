@@ -7,7 +7,8 @@ walking the outputs for backward hooks, profiler ranges), and each one is opaque
 ``torch.compile`` (FSDP2 marks them ``dynamo_disable``): a compiled forward would break its graph
 at every unit. :class:`DirectForward` takes FSDP2's hooks out for the duration of a call and puts
 them back, in their order, afterwards; other hooks stay. The module's parameters then are the
-gathered tensors FSDP2 installed, as inside its own forward.
+gathered tensors FSDP2 installed, as inside its own forward. The rank engine runs every forward
+of a resident model so, eager or compiled (:meth:`DirectForward.resident` checked each step).
 
 :func:`direct_forward_refusal` says why a model cannot run so (a unit not resident, a unit that
 casts its outputs, hooks FSDP2 registered in a way this module does not know), or None.
@@ -60,6 +61,13 @@ class DirectForward:
             raise ValueError(f"forwards need FSDP2's hooks: {why}")
         self._units: list[tuple[FSDPModule, dict, int, dict, int]] = [
             (unit, *forward_hooks(unit)) for unit in fsdp_units(model)]
+
+    def resident(self) -> bool:
+        """Whether every unit is still resident (residency can be changed after this was made)."""
+        for unit, *_ in self._units:
+            if param_group(unit) is not None and (not is_gathered(unit) or reshards_after_forward(unit)):
+                return False
+        return True
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:

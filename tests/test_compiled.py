@@ -34,11 +34,32 @@ def _hooks_out_and_back(rank, world_size, path):
             inside = [(len(u._forward_pre_hooks), len(u._forward_hooks)) for u in fsdp_units(model)]
             unhooked = model(input_ids=ids).logits
     after = [(list(u._forward_pre_hooks), list(u._forward_hooks)) for u in fsdp_units(model)]
+    # the engine's eager steps: without FSDP2's hooks while every unit is resident, with them once not
+    from tests.test_engine import Harness
+
+    unit = fsdp_units(model)[-1]
+    base = len(unit._forward_pre_hooks)  # FSDP2's, and any other
+    seen = []
+    spy = unit.register_forward_pre_hook(lambda module, args: seen.append(len(module._forward_pre_hooks)))
+    harness = Harness(model)
+    engine_steps = {}
+    for resident in (-1, 0):  # the same engine throughout: residency changed under it
+        set_resident_units(model, resident)
+        seen.clear()
+        out = harness.submit([5, 9, 2, 7, 1, 3], 4)  # the same on both ranks: matched all-gathers when sharded
+        harness.run(lambda: out["finish"] is not None or out["error"] is not None)
+        engine_steps[resident] = {"hooks_seen": [n - base for n in sorted(set(seen))], "tokens": out["tokens"],
+                                  "error": out["error"]}
+    spy.remove()
+    set_resident_units(model, -1)
     return {"refused": refused, "hooks_before": [tuple(map(len, h)) for h in hooks], "inside": inside,
-            "restored": after == hooks, "equal": torch.equal(hooked, unhooked)}
+            "restored": after == hooks, "equal": torch.equal(hooked, unhooked), "engine_steps": engine_steps}
 
 
 def test_direct_forward_takes_fsdp_hooks_out_and_puts_them_back(tmp_path):
+    """DirectForward removes FSDP2's forward hooks for a call and restores them; the rank engine's
+    eager steps run without them while every unit is resident and with them once a unit gathers
+    again, with the same greedy tokens."""
     from tests.checkpoints import write_checkpoint
 
     path = write_checkpoint(tmp_path / "llama", "llama")
@@ -48,6 +69,9 @@ def test_direct_forward_takes_fsdp_hooks_out_and_puts_them_back(tmp_path):
         assert all(pre == before[0] - 1 and post == before[1] - 1
                    for (pre, post), before in zip(r["inside"], r["hooks_before"])), r
         assert r["restored"] and r["equal"], r
+        resident, sharded = r["engine_steps"][-1], r["engine_steps"][0]
+        assert resident["hooks_seen"] == [0] and sharded["hooks_seen"] == [1], r  # the spy's, + FSDP2's
+        assert resident["error"] is None and resident["tokens"] == sharded["tokens"] and len(resident["tokens"]) == 4, r
 
 
 BATCH_SIZES = (1, 2, 4)

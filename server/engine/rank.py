@@ -11,6 +11,7 @@ The engine knows nothing of HTTP, of text, or of the control channel.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -126,6 +127,7 @@ class RankEngine:
         self.fault_at = _injected_fault(rank)
         self.delay_s = _injected_delay(rank)
         self.compiled = None  # a server.engine.compiled.CompiledDecode: decode-only forwards go through it
+        self._direct = _direct_forward(model)  # eager forwards without FSDP2's hooks, where every unit is resident
         self.memory = None  # a server.group.memory.MemoryReport, reported every few seconds
         self._reported_at = 0.0
         self._trimmed_at, self._forwards_at_trim = 0.0, 0
@@ -205,14 +207,18 @@ class RankEngine:
             torch.set_num_threads(threads)  # the idle ranks' cores (server.engine.cores)
         layout = PagedLayout.build(items, self.block_size, self.device)
         self.cache.layout = layout
-        out = forward(
-            input_ids=torch.tensor([ids], device=self.device),
-            position_ids=torch.tensor([positions], device=self.device),
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-            hsdp_paged=layout,
-        )
+        # FSDP2's hooks have nothing to do for resident units, and cost each unit two calls a step
+        direct = self._direct if forward is self.model and self._direct is not None and self._direct.resident() else None
+        hooks_out = direct() if direct is not None else contextlib.nullcontext()
+        with hooks_out:
+            out = forward(
+                input_ids=torch.tensor([ids], device=self.device),
+                position_ids=torch.tensor([positions], device=self.device),
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+                hsdp_paged=layout,
+            )
         self.cache.layout = None
         self.tokens_computed += computed
         if scored:
@@ -320,6 +326,17 @@ class RankEngine:
             return self.sampler.sample(logits_1V, [row], allowed)[0]
         except Exception as e:  # noqa: BLE001 - one sequence's bad parameters must not stop the group
             return f"{type(e).__name__}: {e}"
+
+
+def _direct_forward(model: nn.Module):
+    """A :class:`shard_engine.direct.DirectForward` of ``model`` where every unit is resident (its
+    forwards then need none of FSDP2's hooks), else None (they gather: the hooks stay)."""
+    from shard_engine.direct import DirectForward
+
+    try:
+        return DirectForward(model)
+    except ValueError:
+        return None
 
 
 FAULT_ENV = "HSDP_INJECT_FORWARD_FAULT"
