@@ -611,7 +611,7 @@ def _settings(args: argparse.Namespace) -> Run:
 
     dry = args.dry_run
     dtype = torch.float32 if dry else torch.bfloat16
-    prefill_tokens = ServeConfig.__dataclass_fields__["max_batch_prefill_tokens"].default
+    prefill_tokens = ServeConfig().prefill_tokens_for("cpu" if dry else "cuda")  # the server's default there
     report = Report(pathlib.Path(args.out), {
         "dry_run": dry, "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "dtype": str(dtype).removeprefix("torch."),

@@ -79,8 +79,11 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
-def parse_batch_sizes(text: str) -> tuple[int, ...]:
-    """argparse type for ``--compile-batch-sizes``: positive integers, comma-separated (1,2,4,8)."""
+def parse_batch_sizes(text: str) -> tuple[int, ...] | None:
+    """argparse type for ``--compile-batch-sizes``: positive integers, comma-separated (1,2,4,8), or
+    ``auto`` (None: :data:`COMPILE_BATCH_SIZES` for the ranks' device)."""
+    if text.strip() == "auto":
+        return None
     try:
         sizes = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
     except ValueError:
@@ -88,6 +91,17 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
     if not sizes or sizes[0] < 1:
         raise argparse.ArgumentTypeError(f"expected positive batch sizes such as 1,2,4,8,16; got {text!r}")
     return sizes
+
+
+PREFILL_TOKENS = {"cpu": 512, "cuda": 8192}
+"""``--max-batch-prefill-tokens auto`` per device. A CPU rank computes a prompt at about its
+arithmetic rate (512 tokens of an 80M model: a step of a few hundred ms beside the decoding
+sequences); a GPU runs a step of thousands of tokens in milliseconds, and a cap of 512 would only
+multiply the steps a long prompt takes (vLLM's chunked prefill on GPUs: 8192 a step)."""
+COMPILE_BATCH_SIZES = {"cpu": (1, 2, 4, 8, 16), "cuda": (1, 2, 4, 8, 16, 32, 64, 128)}
+"""``--compile-batch-sizes auto`` per device: a graph each, compiled at startup. On CPU a step of
+more than 16 sequences a rank is arithmetic, and each graph costs half a minute of startup on 2
+cores; a GPU's step stays host-bound far past 16 (the gpu_check's loads: 32 and 128 sequences)."""
 
 
 def parse_size(text: str) -> int | None:
@@ -228,9 +242,10 @@ class ServeConfig:
         "for activations)", "memory", type=parse_size, metavar="SIZE|auto")
     kv_block_size: int = option(16, "tokens per KV cache block (the unit of allocation and of prefix sharing)",
                                 "memory", type=int, metavar="N")
-    max_batch_prefill_tokens: int = option(
-        512, "prompt tokens a rank computes per step at most: longer prompts are split over steps while the other "
-        "sequences go on decoding", "memory", type=int, metavar="N")
+    max_batch_prefill_tokens: int | None = option(
+        None, "prompt tokens a rank computes per step at most: longer prompts are split over steps while the other "
+        f"sequences go on decoding; auto: {PREFILL_TOKENS['cpu']} on CPU ranks, {PREFILL_TOKENS['cuda']} on GPUs",
+        "memory", type=int_or_keyword("auto", None, 1), metavar="N|auto", none_means="auto")
     prefix_caching: bool = option(True, "reuse the KV blocks of prompts' common prefixes (--no-prefix-caching: "
                                   "off)", "memory", switch=True)
 
@@ -270,9 +285,12 @@ class ServeConfig:
         "none", "decode: decode-only steps run one torch.compile'd forward (inductor) instead of eager module calls "
         "(needs every unit resident; compiled at startup while /ready says compiling, which on 2 CPU cores takes "
         "about 25 s a batch size for 24 layers: experimental); none: eager", "speed", choices=COMPILE_MODES)
-    compile_batch_sizes: tuple[int, ...] = option(
-        (1, 2, 4, 8, 16), "--compile decode: the batch sizes a rank's decode step is padded to, a graph each, compiled "
-        "at startup; larger decode steps run eagerly", "speed", type=parse_batch_sizes, metavar="N,N,...")
+    compile_batch_sizes: tuple[int, ...] | None = option(
+        None, "--compile decode: the batch sizes a rank's decode step is padded to, a graph each, compiled "
+        "at startup; larger decode steps run eagerly; auto: "
+        f"{','.join(map(str, COMPILE_BATCH_SIZES['cpu']))} on CPU ranks, "
+        f"{','.join(map(str, COMPILE_BATCH_SIZES['cuda']))} on GPUs", "speed", type=parse_batch_sizes,
+        metavar="N,N,...|auto", none_means="auto")
     packed_linears: str = option(
         "auto", "linear layers on oneDNN's prepacked weights (CPU: torch's plain bf16 linear reads a weight at about "
         "half their speed; one more private copy of the linears' weights per rank); auto: bf16 models with every unit "
@@ -334,7 +352,7 @@ class ServeConfig:
             raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
         if not 1 <= self.kv_block_size <= 1024:
             raise ValueError(f"--kv-block-size must be in 1..1024, got {self.kv_block_size}")
-        if self.max_batch_prefill_tokens < 1:
+        if self.max_batch_prefill_tokens is not None and self.max_batch_prefill_tokens < 1:
             raise ValueError(f"--max-batch-prefill-tokens must be >= 1, got {self.max_batch_prefill_tokens}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("--served-model-name must not be empty")
@@ -360,6 +378,14 @@ class ServeConfig:
         import torch
 
         return None if self.dtype == "auto" else getattr(torch, self.dtype)
+
+    def prefill_tokens_for(self, device_type: str) -> int:
+        """``--max-batch-prefill-tokens`` on ranks of ``device_type`` (``auto`` resolved)."""
+        return self.max_batch_prefill_tokens or PREFILL_TOKENS.get(device_type, PREFILL_TOKENS["cuda"])
+
+    def compile_batch_sizes_for(self, device_type: str) -> tuple[int, ...]:
+        """``--compile-batch-sizes`` on ranks of ``device_type`` (``auto`` resolved)."""
+        return self.compile_batch_sizes or COMPILE_BATCH_SIZES.get(device_type, COMPILE_BATCH_SIZES["cuda"])
 
 
 OPTIONS = [f for f in fields(ServeConfig) if "option" in f.metadata]

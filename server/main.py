@@ -245,7 +245,8 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
         if state is not None:
             state.set_phase("compiling")
         logger.info("compiling the decode forward (--compile decode)")
-        logger.info("decode forward compiled in %.1f s", engine.compile_decode(batch_sizes=cfg.compile_batch_sizes))
+        logger.info("decode forward compiled in %.1f s", engine.compile_decode(
+            batch_sizes=cfg.compile_batch_sizes_for(device.type)))
     release_freed_memory()
     weights = shared_weights_of(loaded.model)
     # shards that are views of the host's shared copy are counted once, in its share
@@ -286,7 +287,7 @@ def _build_router(cfg: ServeConfig, loaded, groups, per_rank, state, device):
             pools=[BlockPool(per_rank[r][2], cfg.kv_block_size, prefix_caching=cfg.prefix_caching) for r in ranks],
             replicas=[list(range(len(ranks)))], rank_ids=ranks, max_running=share,
             max_queued=limits.max_queued_requests, max_total_tokens=limits.max_total_tokens,
-            max_prefill_tokens=cfg.max_batch_prefill_tokens,
+            max_prefill_tokens=cfg.prefill_tokens_for(device.type),
             eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer), metrics=state.metrics, cores=cores,
         )
         for ranks in groups

@@ -228,3 +228,26 @@ def test_tokenizer_and_generation_config_are_checked_before_any_weight_is_read(t
         cls, message, reads = outcomes["bad_generation"]
         assert cls == "CheckpointError" and "generation_config.json" in message and reads == 0, outcomes
         assert outcomes["good"][0] == "ok" and outcomes["good"][2] > 0
+
+
+def test_prefill_budget_and_compile_sizes_default_per_device():
+    """``auto`` (the default) resolves per device: a CPU rank's prefill budget and compiled batch
+    sizes fit 2 cores, a GPU's fit a GPU; a value given as a flag or a variable is kept as given on
+    either; a nonsense value is refused."""
+    from server.config import COMPILE_BATCH_SIZES, PREFILL_TOKENS, parse_serve_config
+
+    auto = parse_serve_config([], environ={})
+    assert auto.max_batch_prefill_tokens is None and auto.compile_batch_sizes is None
+    assert auto.prefill_tokens_for("cpu") == 512 == PREFILL_TOKENS["cpu"]
+    assert auto.prefill_tokens_for("cuda") == 8192 == PREFILL_TOKENS["cuda"]
+    assert auto.compile_batch_sizes_for("cpu") == (1, 2, 4, 8, 16) == COMPILE_BATCH_SIZES["cpu"]
+    assert auto.compile_batch_sizes_for("cuda")[-1] == 128
+    given = parse_serve_config(["--max-batch-prefill-tokens", "64", "--compile-batch-sizes", "4,1"],
+                               environ={"HSDP_MAX_BATCH_PREFILL_TOKENS": "32"})
+    for device in ("cpu", "cuda"):
+        assert given.prefill_tokens_for(device) == 64 and given.compile_batch_sizes_for(device) == (1, 4)
+    assert parse_serve_config([], environ={"HSDP_MAX_BATCH_PREFILL_TOKENS": "auto"}).max_batch_prefill_tokens is None
+    assert parse_serve_config(["--compile-batch-sizes", "auto"], environ={}).compile_batch_sizes is None
+    for argv in (["--max-batch-prefill-tokens", "0"], ["--compile-batch-sizes", "0,2"]):
+        with pytest.raises(SystemExit):
+            parse_serve_config(argv, environ={})

@@ -266,7 +266,8 @@ class RankEngine:
         from server.config import ServeConfig
         from server.engine.compiled import CompiledDecode
 
-        compiled = compiled or CompiledDecode(self.model, batch_sizes or ServeConfig().compile_batch_sizes)
+        compiled = compiled or CompiledDecode(self.model,
+                                              batch_sizes or ServeConfig().compile_batch_sizes_for(self.device.type))
         seconds = compiled.warm_up(self.cache, self.block_size, self.device)
         self.compiled = compiled
         return seconds
