@@ -8,7 +8,8 @@ walking the outputs for backward hooks, profiler ranges), and each one is opaque
 at every unit. :class:`DirectForward` takes FSDP2's hooks out for the duration of a call and puts
 them back, in their order, afterwards; other hooks stay. The module's parameters then are the
 gathered tensors FSDP2 installed, as inside its own forward. The rank engine runs every forward
-of a resident model so, eager or compiled (:meth:`DirectForward.resident` checked each step).
+of a resident model so, eager or compiled (:meth:`DirectForward.resident` asked each step; it
+looks at the units again only after ``set_resident_units`` changed them).
 
 :func:`direct_forward_refusal` says why a model cannot run so (a unit not resident, a unit that
 casts its outputs, hooks FSDP2 registered in a way this module does not know), or None.
@@ -30,14 +31,20 @@ from shard_engine.torch_private import (
     param_group,
     reshards_after_forward,
 )
+from shard_engine.overlap import residency_changes
 from shard_engine.units import fsdp_units
+
+
+def _gathers(unit: FSDPModule) -> bool:
+    """Whether the unit's forward gathers (or frees) parameters: it has some that are not resident."""
+    return param_group(unit) is not None and (not is_gathered(unit) or reshards_after_forward(unit))
 
 
 def direct_forward_refusal(model: nn.Module) -> str | None:
     """Why ``model``'s forwards need FSDP2's hooks now, or None when they do not."""
     for unit in fsdp_units(model):
         name = type(unit).__name__
-        if param_group(unit) is not None and (not is_gathered(unit) or reshards_after_forward(unit)):
+        if _gathers(unit):
             return f"a unit ({name}) is not resident"
         if casts_outputs(unit):
             return f"a unit ({name}) casts its outputs (mixed precision's output_dtype)"
@@ -59,15 +66,20 @@ class DirectForward:
         why = direct_forward_refusal(model)
         if why is not None:
             raise ValueError(f"forwards need FSDP2's hooks: {why}")
+        self._model = model
         self._units: list[tuple[FSDPModule, dict, int, dict, int]] = [
             (unit, *forward_hooks(unit)) for unit in fsdp_units(model)]
+        self._resident_as_of = (residency_changes(model), True)
 
     def resident(self) -> bool:
-        """Whether every unit is still resident (residency can be changed after this was made)."""
-        for unit, *_ in self._units:
-            if param_group(unit) is not None and (not is_gathered(unit) or reshards_after_forward(unit)):
-                return False
-        return True
+        """Whether every unit is still resident. Residency is changed by
+        :func:`shard_engine.set_resident_units` (possibly after this was made): the units are
+        looked at again only after a call of it, not every step (31 units: ~0.1 ms)."""
+        changes, resident = self._resident_as_of
+        if changes != residency_changes(self._model):
+            resident = not any(_gathers(unit) for unit, *_ in self._units)
+            self._resident_as_of = (residency_changes(self._model), resident)
+        return resident
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:

@@ -104,6 +104,7 @@ def set_resident_units(model: nn.Module, count: int, *, shared: bool = False,
     """
     units = fsdp_units(model)
     count = len(units) if count < 0 else min(count, len(units))
+    model._hsdp_residency_changes = residency_changes(model) + 1
     names = {id(m): name for name, m in model.named_modules()}
     previous = getattr(model, "_hsdp_shared_weights", None)
     if previous is not None:  # shared storage must become private before FSDP may reshard it
@@ -137,6 +138,12 @@ def set_resident_units(model: nn.Module, count: int, *, shared: bool = False,
         else:
             unit.reshard()
     return residency
+
+
+def residency_changes(model: nn.Module) -> int:
+    """How many times :func:`set_resident_units` has been called on ``model``: what a cached
+    view of its residency compares to know it is still current."""
+    return getattr(model, "_hsdp_residency_changes", 0)
 
 
 def shared_weights_of(model: nn.Module):
