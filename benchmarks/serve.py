@@ -423,11 +423,12 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model or bench_checkpoint()
     dtype = compute_dtype(args.dtype)
     log(f"dtype {dtype}")
-    max_running = max([int(v) for k, v in scenarios if k == "concurrency"] + [128])
+    clients = [int(v) for k, v in scenarios if k == "concurrency"]
+    max_running = max(clients + [128])
+    slots = max(clients + [1])  # llama.cpp's: one per client of the largest closed loop
     results = {}
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as log_dir:
         for name in servers:
-            slots = max([int(v) for k, v in scenarios if k == "concurrency"] + [1])
             server = build_server(name, model_dir, log_dir, max_running, dtype, gguf=args.gguf, slots=slots)
             try:
                 ready_s = server.start()
