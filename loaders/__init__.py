@@ -13,6 +13,7 @@ from loaders.errors import (
     RemoteRankError,
     ShapeMismatchError,
     UnexpectedTensorError,
+    UnsupportedQuantizationError,
 )
 from loaders.stats import LoadStats
 from loaders.streaming import READ_MODES, LoadedModel, load_hsdp_model, shard_rows
@@ -30,6 +31,7 @@ __all__ = [
     "RemoteRankError",
     "ShapeMismatchError",
     "UnexpectedTensorError",
+    "UnsupportedQuantizationError",
     "load_hsdp_model",
     "shard_rows",
 ]

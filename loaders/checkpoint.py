@@ -33,7 +33,7 @@ class CheckpointFiles:
     def dominant_dtype(self) -> torch.dtype | None:
         counts: dict[torch.dtype, int] = {}
         for _, info in self.tensors.values():
-            if info.dtype.is_floating_point:
+            if info.dtype.is_floating_point and info.dtype.itemsize > 1:  # (fp8: quantized weights, not the model's)
                 counts[info.dtype] = counts.get(info.dtype, 0) + info.nbytes
         return max(counts, key=counts.get) if counts else None
 

@@ -57,13 +57,18 @@ class DTypeMismatchError(CheckpointError):
     """A checkpoint tensor's dtype differs from the model's and no ``dtype=`` asked for a cast."""
 
 
+class UnsupportedQuantizationError(CheckpointError):
+    """The checkpoint's ``quantization_config`` asks for a method or option the server does not compute
+    (``loaders.quantization.formats`` lists what it does); raised before any weight is read."""
+
+
 class RemoteRankError(CheckpointError):
     """Loading failed on another rank; this rank stops too instead of waiting in a collective."""
 
 
 ERROR_CLASSES = {cls.__name__: cls for cls in (
     CheckpointError, MissingConfigError, MissingTokenizerError, CorruptFileError, MissingTensorError,
-    UnexpectedTensorError, ShapeMismatchError, DTypeMismatchError, RemoteRankError,
+    UnexpectedTensorError, ShapeMismatchError, DTypeMismatchError, UnsupportedQuantizationError, RemoteRankError,
 )}
 """The errors a rank may rebuild from another rank's record, by class name."""
 

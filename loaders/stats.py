@@ -35,6 +35,7 @@ def reset_peak_rss() -> bool:
 class LoadStats:
     read_mode: str
     checkpoint_bytes: int = 0
+    quantized_layers: dict = field(default_factory=dict)  # {format description: layers} of a quantized checkpoint
     bytes_read: int = 0
     files_read: int = 0
     tensors_read: int = 0

@@ -33,6 +33,7 @@ from loaders.errors import (
     error_from_record,
     error_to_record,
 )
+from loaders.quantization import quantization_plan, quantize_skeleton
 from loaders.safetensors_io import read_rows
 from loaders.skeleton import build_skeleton, describe_layout, match_key_prefix
 from loaders.stats import LoadStats, read_proc_status, reset_peak_rss
@@ -514,6 +515,23 @@ class _StreamingLoad:
         return nn.Parameter(value, requires_grad=False)
 
 
+def _quantize_skeleton(model: nn.Module, plan, files) -> dict[str, int]:
+    """The skeleton's linears that the checkpoint stores quantized become QuantizedLinear
+    (:mod:`loaders.quantization`); returns {format: layers}."""
+    layout = describe_layout(model)
+    strip, add = match_key_prefix(model, set(files.tensors), set(layout.expected))
+    stored = {add + key[len(strip):]: (info.shape, info.dtype) for key, (_, info) in files.tensors.items()
+              if key.startswith(strip)}
+    counts = quantize_skeleton(model, plan, stored, path=files.directory)
+    if not counts:
+        raise CheckpointError(f"quantization_config says {plan.method} but no layer's quantized tensors are in the "
+                              "checkpoint", path=files.directory)
+    if _is_rank_zero():
+        logger.info("quantized checkpoint (%s): %s", plan.method,
+                    ", ".join(f"{n} layer(s) {what}" for what, n in counts.items()))
+    return counts
+
+
 def _is_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -563,6 +581,8 @@ def load_hsdp_model(
     try:
         with stats.phase("preflight"):
             config = load_config(model_dir)
+            # an unsupported quantization is refused before the files are even listed
+            quantization = quantization_plan(config, path=os.path.join(model_dir, "config.json"))
             files = list_checkpoint_files(model_dir)
             stats.checkpoint_bytes = files.total_bytes
             skeleton_dtype, may_cast = _resolve_dtype(dtype, config, files, device)
@@ -570,6 +590,8 @@ def load_hsdp_model(
             generation_config = load_generation_config(model_dir)
         with stats.phase("skeleton"):
             model = build_skeleton(config, model_class, skeleton_dtype)
+            if quantization is not None:
+                stats.quantized_layers = _quantize_skeleton(model, quantization, files)
             if generation_config is not None and hasattr(model, "generation_config"):
                 model.generation_config = generation_config
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, see _agree

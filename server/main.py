@@ -174,11 +174,13 @@ def serve_rank(cfg: ServeConfig, source) -> None:
 
 
 class _Group:
-    """What :func:`serve_rank`'s phases decide of this rank's share of the model: its residency and its
-    shared-memory all-gather ring (closed at the end whatever happened)."""
+    """What :func:`serve_rank`'s phases decide of this rank's share of the model: its residency, its
+    shared-memory all-gather ring (closed at the end whatever happened), and with a quantized
+    checkpoint every rank's bytes of it (``_quantized_bytes``)."""
 
     residency = None
     shm_pool = None
+    quantized = None
 
 
 def _start_listening(cfg: ServeConfig, source, mesh_shape):
@@ -226,6 +228,7 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
     if cfg.prefetch_depth:
         enable_forward_prefetch(loaded.model, depth=cfg.prefetch_depth)
     shards = tensor_bytes(loaded.model)  # now, while every unit is sharded
+    quantized_bytes = _quantized_bytes(loaded.model) if loaded.stats.quantized_layers else None
     group.residency = residency = _make_resident(loaded.model, cfg, device)  # collective: the same on every rank
     if cfg.all_gather == "shm" or (cfg.all_gather == "auto" and not residency.everything):
         # (with every unit resident nothing is gathered after startup: auto leaves it be)
@@ -239,6 +242,8 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
     available = size_kv_pool(cfg.kv_cache_memory, geometry, cfg.kv_block_size, device)
     # every rank, once; also the barrier between measuring free memory and allocating the pools
     per_rank = wire.all_gather([loaded.stats.bytes_read, extra, available])
+    if loaded.stats.quantized_layers:  # every rank loads the same checkpoint: all or none gather
+        group.quantized = wire.all_gather(quantized_bytes)
     engine = RankEngine(loaded.model, device, dist.get_rank(), num_blocks=available, block_size=cfg.kv_block_size,
                         tokenizer=loaded.tokenizer)
     if cfg.compile == "decode":
@@ -261,6 +266,18 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
                     "/".join(str(b) for _, _, b in per_rank), cfg.kv_block_size, engine.cache.nbytes / 1e6,
                     geometry.bytes_per_token)
     return engine, per_rank
+
+
+def _quantized_bytes(model) -> dict[str, int]:
+    """This rank's bytes of a quantized checkpoint's tensors (its shards, before any is made
+    resident), and of the parameters every rank holds whole."""
+    from torch.distributed.tensor import DTensor
+
+    from loaders.quantization import quantized_bytes
+
+    out = quantized_bytes(model)
+    out["replicated"] = sum(p.numel() * p.element_size() for p in model.parameters() if not isinstance(p, DTensor))
+    return out
 
 
 def _weight_bytes(model) -> int:
@@ -307,7 +324,7 @@ def _open_for_requests(cfg: ServeConfig, state, scheduler, loaded, engine, per_r
     from server.group.lifecycle import install_drain_handler, watch_local_ranks
     from server.group.memory import QuietReclaimer
 
-    _describe_group(state, scheduler, loaded, per_rank, group.residency, group.shm_pool, cfg)
+    _describe_group(state, scheduler, loaded, per_rank, group.residency, group.shm_pool, cfg, group.quantized)
     state.special_ids = frozenset(getattr(loaded.tokenizer, "all_special_ids", ()))
     state.vocab_size = min(len(loaded.tokenizer), getattr(loaded.config, "vocab_size", None) or 1 << 62)
     state.tokenizer, state.scheduler = loaded.tokenizer, scheduler
@@ -324,7 +341,7 @@ def _open_for_requests(cfg: ServeConfig, state, scheduler, loaded, engine, per_r
     QuietReclaimer(lambda: scheduler.num_running == 0 and scheduler.num_waiting == 0).start()
 
 
-def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg) -> None:
+def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg, group_quantized=None) -> None:
     """Rank 0: what /info and /metrics report of the loaded group."""
     state.metrics.load_seconds.set(loaded.stats.phase_seconds["total"])
     for r, (read, _, _) in enumerate(per_rank):
@@ -335,6 +352,11 @@ def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg
                            all_gather="shm" if shm_pool is not None else
                            "none" if residency.everything else "group")
     state.metrics.resident_units.set(len(residency.units))
+    if loaded.stats.quantized_layers:
+        state.quantization = {"layers": loaded.stats.quantized_layers, "bytes_per_rank": group_quantized}
+        for r, held in enumerate(group_quantized):
+            for kind in ("weights", "scales", "replicated"):
+                state.metrics.quantized_bytes.labels(str(r), kind).set(held[kind])
     state.metrics.sharded_units.set(residency.total_units)
     for r, (_, extra, _) in enumerate(per_rank):
         state.metrics.resident_bytes.labels(rank=str(r)).set(extra)
@@ -358,7 +380,11 @@ def _check_before_launch(cfg: ServeConfig, source) -> None:
     from server.engine.capability import check_servable
     from server.group.process_group import is_under_torchrun, resolve_nproc_per_node
 
-    check_servable(load_config(source.path))  # a model the engine cannot serve is refused unread
+    from loaders.quantization import quantization_plan
+
+    model_config = load_config(source.path)
+    check_servable(model_config)  # a model the engine cannot serve is refused unread
+    quantization_plan(model_config, path=os.path.join(source.path, "config.json"))  # so is a quantization it cannot
     read_chat_template(cfg.chat_template)  # a --chat-template that is neither file nor template
 
     if cfg.compile == "decode" and cfg.resident_units == 0:

@@ -105,13 +105,21 @@ def find_ignored_param_names(model: nn.Module) -> set[str]:
 
     0-dim parameters, non-floating (packed integer) parameters, floating parameters whose
     dtype is not the model's dominant one (by element count), and every parameter of the
-    modules named in ``model._hsdp_ignored_modules``.
+    modules named in ``model._hsdp_ignored_modules``. Except: a module's parameters that it names
+    in a ``row_sharded`` attribute (quantized weights and their scales,
+    ``loaders.quantization``) are sharded by rows whatever their dtype, where they have rows
+    (FSDP2 gathers a unit of mixed dtypes as bytes); the model's dominant dtype is counted
+    without them.
     """
+    row_sharded = {f"{fqn}.{n}" if fqn else n for fqn, m in model.named_modules()
+                   for n in getattr(m, "row_sharded", ())}
     params = list(model.named_parameters())
-    dominant = _dominant_dtype(params)
+    dominant = _dominant_dtype([(n, p) for n, p in params if n not in row_sharded])
     ignored: set[str] = set()
     off_dtype: list[str] = []
     for name, p in params:
+        if name in row_sharded and p.dim() > 0:
+            continue
         if p.dim() == 0 or not p.is_floating_point():
             ignored.add(name)
         elif p.dtype != dominant:

@@ -85,6 +85,7 @@ def build_app(state: ServerState, cfg=None) -> FastAPI:
             "version": __version__,
             "phase": state.phase,
             "residency": state.residency,
+            "quantization": state.quantization,
         }
         scheduler = state.scheduler
         if scheduler is not None:

@@ -48,6 +48,9 @@ class ServerMetrics:
                                     "Units that keep their gathered parameters (--resident-units)", registry=r)
         self.resident_bytes = Gauge("hsdp_resident_bytes",
                                     "Memory a rank holds for resident units beyond its shards", ["rank"], registry=r)
+        self.quantized_bytes = Gauge("hsdp_quantized_bytes", "A quantized checkpoint's tensors each rank holds, "
+                                     "by kind: weights (packed or 8-bit), scales (and zero points), replicated "
+                                     "(parameters kept whole on every rank)", ["rank", "kind"], registry=r)
         self.prefix_queried_tokens = Counter("hsdp_prefix_cache_queried_tokens",
                                              "Prompt tokens looked up in the prefix cache", registry=r)
         self.prefix_hit_tokens = Counter("hsdp_prefix_cache_hit_tokens",

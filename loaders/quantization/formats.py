@@ -1,0 +1,199 @@
+"""What a checkpoint's ``quantization_config`` asks for, decided before any weight is read.
+
+:func:`quantization_plan` returns None for a plain checkpoint and a :class:`QuantizationPlan` for
+one the server computes exactly:
+
+* ``quant_method: fp8`` (transformers' FineGrainedFP8: DeepSeek-V3/R1, Qwen3-FP8, ...): e4m3
+  weights with float32 ``weight_scale_inv`` per ``weight_block_size`` block, dynamic activations;
+* ``quant_method: compressed-tensors`` (what llm-compressor writes) in the formats
+  ``pack-quantized`` (INT4/INT8 weight-only by channel or group, symmetric or with zero points),
+  ``int-quantized`` (INT8 weights by channel, W8A8 with dynamic per-token activations) and
+  ``float-quantized`` (FP8 weights, weight-only or with dynamic per-token FP8 activations).
+
+Anything else (another method: GPTQ, AWQ, MXFP4, bitsandbytes, ...; static activation scales, a
+quantized KV cache, sparsity, activation ordering, transforms) raises
+:class:`loaders.errors.UnsupportedQuantizationError` naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from loaders.errors import UnsupportedQuantizationError
+
+SUPPORTED_METHODS = ("fp8", "compressed-tensors")
+COMPRESSED_FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
+
+
+@dataclass(frozen=True)
+class LinearFormat:
+    """How one quantized linear is stored and computed. ``kind``: ``fp8-block`` or one of
+    :data:`COMPRESSED_FORMATS`; ``scheme``: compressed-tensors' ``QuantizationScheme`` of the
+    module (None for fp8); ``block``: fp8's (rows, columns) per scale."""
+
+    kind: str
+    scheme: object = None
+    block: tuple[int, int] | None = None
+
+    @property
+    def stored_names(self) -> tuple[str, ...]:
+        """The module's tensors in the checkpoint (besides ``bias``)."""
+        if self.kind == "fp8-block":
+            return ("weight", "weight_scale_inv")
+        from compressed_tensors.compressors import BaseCompressor
+
+        return tuple(BaseCompressor.get_value_from_registry(self.kind).compression_param_names(self.scheme))
+
+    def describe(self) -> str:
+        if self.kind == "fp8-block":
+            return f"fp8 e4m3, {self.block[0]}x{self.block[1]} blocks"
+        w, a = self.scheme.weights, self.scheme.input_activations
+        group = f" group {w.group_size}" if w.strategy == "group" else f" per {w.strategy}"
+        act = f", {a.type}{a.num_bits} activations per {a.strategy} (dynamic)" if a is not None else ""
+        return f"{self.kind}: {w.type}{w.num_bits}{group}{'' if w.symmetric else ' asymmetric'}{act}"
+
+
+@dataclass
+class QuantizationPlan:
+    """A checkpoint's quantization: ``method``, and :meth:`format_for` a module's format."""
+
+    method: str
+    formats: list[tuple[list[str], LinearFormat]] = field(default_factory=list)  # (targets, format)
+    ignore: list[str] = field(default_factory=list)
+
+    def format_for(self, name: str, module: torch.nn.Module) -> LinearFormat | None:
+        """The format of linear ``name`` if the config quantizes it (the checkpoint confirms it)."""
+        if self.method == "fp8":
+            if any(name == m or name.endswith("." + m) or name.startswith(m + ".") for m in self.ignore):
+                return None
+            return self.formats[0][1]
+        from compressed_tensors.utils import is_match
+
+        for targets, fmt in self.formats:
+            if is_match(name, module, targets, self.ignore):
+                return fmt
+        return None
+
+    def describe(self) -> str:
+        return "; ".join(sorted({fmt.describe() for _, fmt in self.formats}))
+
+
+def quantization_plan(config, path: str | None = None) -> QuantizationPlan | None:
+    """``config``'s quantization (a transformers config or its dict), or None where it has none.
+    Raises :class:`UnsupportedQuantizationError` naming what cannot be served; ``path`` (the
+    config file) goes into the error."""
+    qc = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
+    if qc is None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else None
+        qc = getattr(text, "quantization_config", None) if text is not None and text is not config else None
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
+    method = str(qc.get("quant_method", "")).lower().replace("_", "-")
+
+    def refuse(what: str) -> UnsupportedQuantizationError:
+        return UnsupportedQuantizationError(f"quantization_config: {what}", path=path)
+
+    if method == "fp8":
+        return _fp8_plan(qc, refuse)
+    if method == "compressed-tensors":
+        return _compressed_plan(qc, refuse)
+    raise refuse(f"quant_method {qc.get('quant_method')!r} is not supported (supported: {', '.join(SUPPORTED_METHODS)})")
+
+
+def _fp8_plan(qc: dict, refuse) -> QuantizationPlan:
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise refuse(f"fp8 activation_scheme {qc.get('activation_scheme')!r} is not supported (static activation "
+                     "scales; supported: dynamic)")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise refuse(f"fp8 fmt {qc.get('fmt')!r} is not supported (supported: e4m3)")
+    block = qc.get("weight_block_size")
+    if block is None:
+        raise refuse("fp8 without weight_block_size (per-tensor scales) is not supported in the fp8 method's layout "
+                     "(compressed-tensors float-quantized per-tensor is)")
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise refuse(f"fp8 weight_block_size {block!r} is not two positive integers")
+    fmt = LinearFormat("fp8-block", block=(int(block[0]), int(block[1])))
+    return QuantizationPlan("fp8", [(["Linear"], fmt)], list(qc.get("modules_to_not_convert") or []))
+
+
+def _compressed_plan(qc: dict, refuse) -> QuantizationPlan:
+    try:
+        from compressed_tensors.quantization import QuantizationConfig
+    except ImportError as e:  # a core dependency; only a broken install lacks it
+        raise refuse(f"compressed-tensors checkpoints need the compressed-tensors package ({e})") from None
+    if qc.get("sparsity_config"):
+        sparsity = qc["sparsity_config"]
+        if not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense":
+            raise refuse(f"sparsity_config {sparsity!r} is not supported (sparse compressed-tensors formats)")
+    if qc.get("transform_config"):
+        raise refuse("transform_config is not supported (rotations and other transforms)")
+    try:
+        config = QuantizationConfig.model_validate({k: v for k, v in qc.items()
+                                                   if k in QuantizationConfig.model_fields})
+    except Exception as e:  # noqa: BLE001 - pydantic's validation error: its first complaint, on one line
+        first = e.errors()[0] if hasattr(e, "errors") and e.errors() else None
+        where = ".".join(str(p) for p in first["loc"] if "[" not in str(p)) if first else ""
+        why = f"{where}: {first['msg']}" if first else str(e).splitlines()[0]
+        raise refuse(f"compressed-tensors cannot read it ({why})") from None
+    if config.kv_cache_scheme is not None:
+        raise refuse("kv_cache_scheme is not supported (a quantized KV cache)")
+    status = str(getattr(config.quantization_status, "value", config.quantization_status))
+    if status != "compressed":
+        raise refuse(f"quantization_status {status!r} is not supported (supported: compressed)")
+    plan = QuantizationPlan("compressed-tensors", ignore=list(config.ignore or []))
+    for group_name, scheme in (config.config_groups or {}).items():
+        kind = str(getattr(scheme.format, "value", scheme.format) or getattr(config.format, "value", config.format))
+        where = f"config_groups.{group_name}"
+        if kind not in COMPRESSED_FORMATS:
+            raise refuse(f"{where}: format {kind!r} is not supported (supported: {', '.join(COMPRESSED_FORMATS)})")
+        _check_scheme(scheme, kind, where, refuse)
+        plan.formats.append((list(scheme.targets), LinearFormat(kind, scheme=scheme)))
+    if not plan.formats:
+        raise refuse("compressed-tensors config_groups is empty")
+    return plan
+
+
+def _check_scheme(scheme, kind: str, where: str, refuse) -> None:
+    w, a = scheme.weights, scheme.input_activations
+
+    def value(x):
+        return str(getattr(x, "value", x)) if x is not None else None
+
+    if w is None:
+        raise refuse(f"{where}: activation-only quantization is not supported")
+    if scheme.output_activations is not None:
+        raise refuse(f"{where}: output_activations quantization is not supported")
+    if value(w.actorder) not in (None, "static"):
+        raise refuse(f"{where}: weights.actorder {value(w.actorder)!r} is not supported (activation ordering, g_idx)")
+    if w.dynamic:
+        raise refuse(f"{where}: dynamic weight quantization is not supported")
+    strategies = {"pack-quantized": ("channel", "group"), "int-quantized": ("channel", "tensor"),
+                  "float-quantized": ("channel", "tensor")}[kind]
+    if value(w.strategy) not in strategies:
+        raise refuse(f"{where}: {kind} weights.strategy {value(w.strategy)!r} is not supported (supported: "
+                     f"{', '.join(strategies)})")
+    wtype = "float" if kind == "float-quantized" else "int"
+    bits = (4, 8) if kind == "pack-quantized" else (8,)
+    if value(w.type) != wtype or w.num_bits not in bits:
+        raise refuse(f"{where}: {kind} weights {value(w.type)}{w.num_bits} are not supported (supported: "
+                     f"{', '.join(f'{wtype}{b}' for b in bits)})")
+    if kind == "float-quantized" and not w.symmetric:
+        raise refuse(f"{where}: asymmetric float weights are not supported")
+    if a is not None:
+        if kind == "pack-quantized":
+            raise refuse(f"{where}: pack-quantized with input_activations is not supported (weight-only)")
+        if not a.dynamic or value(a.strategy) != "token":
+            raise refuse(f"{where}: input_activations {value(a.strategy)} "
+                         f"{'dynamic' if a.dynamic else 'static'} are not supported (supported: dynamic per token)")
+        if value(a.type) != wtype or a.num_bits != 8:
+            raise refuse(f"{where}: input_activations {value(a.type)}{a.num_bits} are not supported with {kind}")
+
+
+def fp8_scale_shape(out_features: int, in_features: int, block: tuple[int, int]) -> tuple[int, int]:
+    """The shape of an fp8 weight's ``weight_scale_inv``: one scale per block, edge blocks partial."""
+    return math.ceil(out_features / block[0]), math.ceil(in_features / block[1])

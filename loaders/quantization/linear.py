@@ -1,0 +1,175 @@
+"""The quantized linear: the checkpoint's tensors as parameters, dequantized where a forward runs.
+
+:class:`QuantizedLinear` replaces an ``nn.Linear`` of the meta skeleton (:func:`quantize_skeleton`).
+Its parameters have the shapes its format implies for the layer (so the loader's shape check
+refuses a checkpoint that disagrees, naming the tensor) and the dtypes the checkpoint stores them
+in; all of them are row-sharded (``row_sharded``: ``shard_engine.units`` reads it). Its forward
+runs on the gathered tensors: the weight dequantized by the function transformers' load uses
+(compressed-tensors' compressor ``decompress``; fp8 blocks times ``weight_scale_inv`` in float32),
+the input fake-quantized where the scheme quantizes activations (compressed-tensors'
+``forward_quantize``, as its quantized forward does), then ``F.linear`` in the input's dtype.
+Nothing dequantized is kept between forwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loaders.errors import CheckpointError
+from loaders.quantization.formats import LinearFormat, QuantizationPlan, fp8_scale_shape
+
+logger = logging.getLogger(__name__)
+
+QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8, torch.int32)
+"""Storage dtypes that never hold a plain weight: such a tensor under a dense layer's name is an error,
+never a silent cast."""
+
+
+def stored_shapes(fmt: LinearFormat, out_features: int, in_features: int) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor ``fmt`` stores for an ``out_features x in_features`` weight."""
+    if fmt.kind == "fp8-block":
+        return {"weight": (out_features, in_features),
+                "weight_scale_inv": fp8_scale_shape(out_features, in_features, fmt.block)}
+    w = fmt.scheme.weights
+    strategy = str(getattr(w.strategy, "value", w.strategy))
+    groups = {"tensor": None, "channel": 1, "group": math.ceil(in_features / (w.group_size or in_features))}[strategy]
+    scale = (1,) if groups is None else (out_features, groups)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in fmt.stored_names:
+        if name == "weight_packed":
+            shapes[name] = (out_features, math.ceil(in_features * w.num_bits / 32))
+        elif name == "weight_shape":
+            shapes[name] = (2,)
+        elif name == "weight":
+            shapes[name] = (out_features, in_features)
+        elif name == "weight_scale":
+            shapes[name] = scale
+        elif name == "weight_zero_point":
+            shapes[name] = ((math.ceil(out_features * w.num_bits / 32), scale[1]) if fmt.kind == "pack-quantized"
+                            else scale)
+        else:
+            raise CheckpointError(f"compressed-tensors stores {name!r} for {fmt.describe()}, which is not supported")
+    return shapes
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` held as stored (see the module's docstring)."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: LinearFormat, dtypes: dict[str, torch.dtype],
+                 bias: nn.Parameter | None):
+        super().__init__()
+        self.in_features, self.out_features, self.format = in_features, out_features, fmt
+        shapes = stored_shapes(fmt, out_features, in_features)
+        self.row_sharded = tuple(n for n in shapes if n != "weight_shape")
+        for name, shape in shapes.items():
+            tensor = torch.empty(shape, dtype=dtypes[name], device="meta")
+            if name == "weight_shape":  # two integers: read whole by every rank, checked at the first forward
+                self.register_buffer(name, torch.zeros(shape, dtype=dtypes[name]), persistent=True)
+            else:
+                self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+        self.bias = bias
+        self._checked = False
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.format.describe()}"
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight as transformers' load of the checkpoint holds it (its dtype: the scales' for
+        compressed-tensors, float32 for fp8 blocks)."""
+        fmt = self.format
+        if fmt.kind == "fp8-block":
+            return dequantize_fp8_block(self.weight, self.weight_scale_inv, fmt.block)
+        if not self._checked:
+            self._check_shape()
+        from compressed_tensors.compressors import BaseCompressor
+
+        state = {name: getattr(self, name) for name in fmt.stored_names}
+        if "weight_shape" in state:
+            state["weight_shape"] = torch.Size((self.out_features, self.in_features))
+        compressor = BaseCompressor.get_value_from_registry(fmt.kind)
+        return compressor.decompress(state, fmt.scheme)["weight"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.dequantized_weight().to(x.dtype)
+        scheme = self.format.scheme
+        if scheme is not None and scheme.input_activations is not None:
+            x = quantize_input(x, scheme.input_activations)
+        return F.linear(x, weight, self.bias)
+
+    def _check_shape(self) -> None:
+        stored = getattr(self, "weight_shape", None)
+        if stored is not None and stored.device.type != "meta" and \
+                tuple(int(v) for v in stored.tolist()) != (self.out_features, self.in_features):
+            raise CheckpointError(f"weight_shape {stored.tolist()} != the layer's "
+                                  f"{[self.out_features, self.in_features]}")
+        self._checked = True
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """An fp8 weight times its block scales, in float32, as transformers' FineGrainedFP8 dequantizes on
+    load: each block's e4m3 values widened to float32 and multiplied by that block's scale."""
+    rows, cols = weight.shape
+    scales = scale_inv.to(torch.float32).repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.to(torch.float32) * scales
+
+
+def quantize_input(x: torch.Tensor, args) -> torch.Tensor:
+    """Dynamic per-token fake quantization of a linear's input, as compressed-tensors' quantized
+    forward does it (the same function)."""
+    from compressed_tensors.quantization.lifecycle.forward import compute_dynamic_scales_and_zp, fake_quantize
+
+    if x.numel() == 0:
+        return x
+    scale, zero_point = compute_dynamic_scales_and_zp(value=x, args=args, module=None)
+    return fake_quantize(x=x, scale=scale, zero_point=zero_point, args=args)
+
+
+def quantize_skeleton(model: nn.Module, plan: QuantizationPlan, stored: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                      path: str | None = None) -> dict[str, int]:
+    """Swap the linears of ``model`` (a meta skeleton) that the checkpoint stores quantized for
+    :class:`QuantizedLinear`. ``stored``: model-named checkpoint tensors -> (shape, dtype). Returns
+    {format description: layers}. A linear the plan quantizes whose tensors the checkpoint lacks
+    stays dense; a dense layer whose checkpoint weight has a quantized dtype is an error naming
+    ``path`` (the checkpoint) and the tensor."""
+    counts: dict[str, int] = {}
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear:
+            continue
+        fmt = plan.format_for(name, module)
+        names = fmt.stored_names if fmt is not None else ()
+        if fmt is None or not all(f"{name}.{n}" in stored for n in names):
+            weight = stored.get(f"{name}.weight")
+            if weight is not None and weight[1] in QUANTIZED_DTYPES:
+                raise CheckpointError(f"{name}.weight is stored as {weight[1]} but the quantization_config does not "
+                                      f"quantize {name} (or its scales are missing)", path=path,
+                                      tensor=f"{name}.weight")
+            continue
+        dtypes = {n: stored[f"{name}.{n}"][1] for n in names}
+        replacement = QuantizedLinear(module.in_features, module.out_features, fmt, dtypes, module.bias)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+        counts[fmt.describe()] = counts.get(fmt.describe(), 0) + 1
+    return counts
+
+
+def quantized_bytes(model: nn.Module) -> dict[str, int]:
+    """This rank's bytes of quantized layers' tensors: ``weights`` (packed or fp8/int8 weights),
+    ``scales`` (scales and zero points); counted from the local shards."""
+    from torch.distributed.tensor import DTensor
+
+    out = {"weights": 0, "scales": 0, "layers": 0}
+    for module in model.modules():
+        if not isinstance(module, QuantizedLinear):
+            continue
+        out["layers"] += 1
+        for name in module.row_sharded:
+            p = getattr(module, name)
+            local = p.to_local() if isinstance(p, DTensor) else p
+            key = "weights" if name in ("weight", "weight_packed") else "scales"
+            out[key] += local.numel() * local.element_size()
+    return out

@@ -1,0 +1,516 @@
+"""Small pre-quantized checkpoints in the formats real hubs ship, plus exact dequantization references.
+
+Contract
+--------
+Every ``write_*`` function quantizes a tiny float32 Llama (``tests.checkpoints.write_checkpoint(...,
+"llama")``: hidden 64, intermediate 176, 3 layers, 4 heads / 2 kv heads, untied ``lm_head``; or the
+float32 checkpoint directory given as ``base``) and writes a complete checkpoint directory at
+``path``, returning ``path`` as ``str``:
+
+* safetensors shards ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, split
+  at ``max_shard_size`` (default ``"20KB"``) in module order, so layers -- and sometimes a weight and
+  its own scale -- straddle files;
+* ``config.json`` = the base config plus the format's ``quantization_config``;
+* every other base file copied unchanged (tokenizer files, ``generation_config.json``).
+
+Only the nn.Linear projections inside ``model.layers`` (q/k/v/o, gate/up/down) are quantized;
+``embed_tokens``, the norms and ``lm_head`` stay float32 under their usual names.
+
+Formats (tensor names are per quantized linear ``<m>``, e.g. ``model.layers.0.mlp.up_proj``):
+
+``write_fp8_block`` -- transformers ``quant_method: "fp8"`` (FineGrainedFP8; DeepSeek-V3, Qwen3-FP8):
+    ``<m>.weight`` float8_e4m3fn [out, in]; ``<m>.weight_scale_inv`` float32
+    [ceil(out/b0), ceil(in/b1)]; per block ``scale_inv = amax|w_block| / 448`` (1.0 for an all-zero
+    block) and ``weight = (w / scale_inv).clamp(-448, 448).to(float8_e4m3fn)`` (round to nearest
+    even). Edge blocks may be partial. Dequantize: ``weight.float() * scale_inv[i // b0, j // b1]``.
+    NB: transformers' CPU loader (``Fp8Dequantize``) rejects partial blocks; ``block=(16, 16)``
+    divides every shape of the tiny Llama.
+
+``write_compressed_w4a16`` -- compressed-tensors ``pack-quantized`` INT4 weight-only, group strategy,
+    made with compressed-tensors itself: ``<m>.weight_packed`` int32 [out, in/8], ``<m>.weight_scale``
+    float32 [out, in/group], ``<m>.weight_shape`` int64 [2], and when asymmetric
+    ``<m>.weight_zero_point`` int32 [ceil(out/8), in/group] (packed along dim 0). compressed-tensors
+    cannot group-quantize a linear whose in_features is not a multiple of ``group_size``: such
+    linears (``down_proj``, in=176, for ``group_size=32``) are left float32 and listed in
+    ``ignore``. ``group_size=16`` quantizes all seven.
+
+``write_compressed_w8a8`` -- compressed-tensors ``int-quantized``: ``<m>.weight`` int8 [out, in],
+    ``<m>.weight_scale`` float32 [out, 1] (symmetric per output channel); input activations dynamic,
+    symmetric, per token, int8 (no tensor stored for them).
+
+``write_compressed_fp8`` -- compressed-tensors ``float-quantized`` (llm-compressor's FP8_DYNAMIC):
+    ``<m>.weight`` float8_e4m3fn [out, in], ``<m>.weight_scale`` float32 [out, 1] (``"channel"``) or
+    [1] (``"tensor"``); input activations dynamic per-token FP8.
+
+The ``dequantize_*`` / ``fake_quantize_*`` functions re-implement, by hand, the arithmetic transformers
+5.24 + compressed-tensors 0.20.1 apply on CPU in float32 (they match it bit for bit); ``read_tensors``
+and ``quantization_config`` read a written checkpoint back; ``dequantized_state_dict`` /
+``write_dequantized`` give the dense float32 weights transformers ends up holding.
+
+What transformers 5.24 does with these on CPU (``from_pretrained(path, dtype=torch.float32)``):
+
+* fp8: no GPU -> ``dequantize=True`` is forced; the Linears stay ``nn.Linear`` and each weight is
+  dequantized at load, ``(weight.to(f32) * scale_inv_per_block).to(param dtype)``; no activation
+  quantization at all. It derives the block from the scale grid (``rows // scale_rows``), so partial
+  edge blocks raise ``ValueError`` (default ``block=(32, 32)`` here: gate/up/down fail to load), and a
+  block that leaves the grid dividing the shape (e.g. (48, 48)) loads *silently wrong*. Use
+  ``block=(16, 16)``, or ``write_dequantized`` + ``reference_generate`` as the reference.
+* compressed-tensors (default ``dequantize=False``): the packed tensors load as is; a forward pre-hook
+  on the model decompresses every module (weight -> ``scale.dtype``) on the first forward, and each
+  quantized Linear's patched forward then fake-quantizes its input per token when the scheme has
+  ``input_activations`` (W8A8, FP8-dynamic) before ``F.linear`` with the dequantized weight.
+  ``CompressedTensorsConfig(dequantize=True)`` instead dequantizes at load into plain ``nn.Linear``s
+  and does *not* quantize activations. Asymmetric W4A16 (``weight_zero_point``) fails to load on the
+  default path (compressed-tensors' meta-device compress leaves the zero point unpacked, [out, groups]
+  vs the checkpoint's packed [out/8, groups]); it loads with ``dequantize=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from contextlib import contextmanager
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_SHARD = "20KB"
+
+_SKIP_FILES = ("config.json", "model.safetensors.index.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# reading / writing checkpoints
+# ---------------------------------------------------------------------------------------------
+
+def _size_to_int(size) -> int:
+    if isinstance(size, int):
+        return size
+    units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+    for unit, mult in units.items():
+        if size.upper().endswith(unit):
+            return int(size[: -len(unit)]) * mult
+    return int(size)
+
+
+def _natural_key(name: str):
+    m = re.match(r"(.*?\.layers\.)(\d+)\.(.*)", name)
+    if m:
+        return (1, int(m.group(2)), m.group(3))
+    return (0 if "embed" in name else 2, 0, name)
+
+
+def read_tensors(path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory (sharded or not), by name."""
+    from safetensors.torch import load_file
+
+    path = str(path)
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+def quantization_config(path) -> dict | None:
+    with open(os.path.join(str(path), "config.json")) as f:
+        return json.load(f).get("quantization_config")
+
+
+def write_shards(path, tensors: dict[str, torch.Tensor], max_shard_size=DEFAULT_SHARD,
+                 order=None) -> list[str]:
+    """Write ``tensors`` as transformers-style shards + index; returns the shard file names.
+
+    Greedy split in ``order`` (default: embeddings, layers in order, then the rest): a new shard starts
+    when the next tensor would overflow ``max_shard_size`` (a tensor bigger than that gets its own).
+    """
+    from safetensors.torch import save_file
+
+    path = str(path)
+    os.makedirs(path, exist_ok=True)
+    limit = _size_to_int(max_shard_size)
+    names = list(order) if order is not None else sorted(tensors, key=_natural_key)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        n = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    total = len(shards)
+    files = []
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = "model.safetensors" if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        save_file({k: tensors[k].detach().contiguous() for k in shard}, os.path.join(path, fname),
+                  metadata={"format": "pt"})
+        files.append(fname)
+        weight_map.update({k: fname for k in shard})
+    if total > 1:
+        total_size = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+    return files
+
+
+def _copy_side_files(base: str, path: str, quant_config: dict | None, drop_quant: bool = False):
+    """Copy tokenizer / generation config files; write config.json with ``quant_config`` (or without
+    any quantization_config when ``drop_quant``)."""
+    for f in os.listdir(base):
+        src = os.path.join(base, f)
+        if f.endswith(".safetensors") or f in _SKIP_FILES or not os.path.isfile(src):
+            continue
+        shutil.copyfile(src, os.path.join(path, f))
+    with open(os.path.join(base, "config.json")) as f:
+        config = json.load(f)
+    if drop_quant:
+        config.pop("quantization_config", None)
+    if quant_config is not None:
+        config["quantization_config"] = quant_config
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+@contextmanager
+def _base_checkpoint(base, seed: int):
+    """Yield a float32 base checkpoint directory: ``base`` itself, or a fresh tiny Llama in a tmp dir."""
+    if base is not None:
+        yield str(base)
+        return
+    from tests.checkpoints import write_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="hsdp-qbase-") as tmp:
+        yield write_checkpoint(os.path.join(tmp, "base"), "llama", dtype=torch.float32, seed=seed)
+
+
+def _prepare_out(path) -> str:
+    path = str(path)
+    os.makedirs(path, exist_ok=True)
+    for f in os.listdir(path):  # stale shards of an earlier write would be read back as well
+        if f.endswith(".safetensors") or f == "model.safetensors.index.json":
+            os.remove(os.path.join(path, f))
+    return path
+
+
+def _is_quantized_linear(name: str) -> bool:
+    return bool(re.search(r"\.layers\.\d+\.(self_attn|mlp)\.(%s)\.weight$" % "|".join(LINEARS), name))
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. transformers "fp8" (FineGrainedFP8): block-wise float8_e4m3fn + weight_scale_inv
+# ---------------------------------------------------------------------------------------------
+
+def quantize_fp8_block(w: torch.Tensor, block=(32, 32)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight float8_e4m3fn [out, in], weight_scale_inv float32 [ceil(out/b0), ceil(in/b1)])."""
+    b0, b1 = block
+    w = w.detach().to(torch.float32)
+    out, inn = w.shape
+    rows, cols = math.ceil(out / b0), math.ceil(inn / b1)
+    padded = torch.nn.functional.pad(w, (0, cols * b1 - inn, 0, rows * b0 - out))  # zeros: amax unchanged
+    blocks = padded.reshape(rows, b0, cols, b1)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.reshape(rows * b0, cols * b1)[:out, :inn].contiguous(), scale_inv.contiguous()
+
+
+def dequantize_fp8_block(weight: torch.Tensor, weight_scale_inv: torch.Tensor, block,
+                         dtype=torch.float32) -> torch.Tensor:
+    """``weight.to(f32) * scale_inv`` per block (one f32 multiply per element), then ``.to(dtype)``.
+
+    Bit-identical to transformers' ``Fp8Dequantize._dequantize_one`` where that accepts the shape.
+    """
+    b0, b1 = block
+    out, inn = weight.shape
+    s = weight_scale_inv.to(torch.float32)
+    s = s.repeat_interleave(b0, dim=0)[:out].repeat_interleave(b1, dim=1)[:, :inn]
+    return (weight.to(torch.float32) * s).to(dtype)
+
+
+def write_fp8_block(path, *, base=None, block=(32, 32), seed=0, max_shard_size=DEFAULT_SHARD) -> str:
+    """DeepSeek-V3 / Qwen3-FP8 style checkpoint (transformers ``quant_method: "fp8"``).
+
+    config ``quantization_config``: ``{"quant_method": "fp8", "activation_scheme": "dynamic",
+    "fmt": "e4m3", "weight_block_size": [b0, b1]}`` -- no ``modules_to_not_convert``, as DeepSeek-V3
+    ships it (transformers skips ``lm_head`` by default).
+    """
+    block = (int(block[0]), int(block[1]))
+    path = _prepare_out(path)
+    with _base_checkpoint(base, seed) as base_dir:
+        tensors = read_tensors(base_dir)
+        out: dict[str, torch.Tensor] = {}
+        for name in sorted(tensors, key=_natural_key):
+            t = tensors[name]
+            if _is_quantized_linear(name):
+                q, s = quantize_fp8_block(t, block)
+                out[name] = q
+                out[name[: -len("weight")] + "weight_scale_inv"] = s
+            else:
+                out[name] = t.to(torch.float32)
+        write_shards(path, out, max_shard_size, order=list(out))
+        _copy_side_files(base_dir, path, {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": [block[0], block[1]],
+        })
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# 2-4. compressed-tensors, produced with compressed-tensors itself
+# ---------------------------------------------------------------------------------------------
+
+def _observe_minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min/max per the weight strategy, shaped like the module's ``weight_scale`` (memoryless min-max)."""
+    from compressed_tensors.quantization import QuantizationStrategy
+
+    strategy = args.strategy
+    if strategy == QuantizationStrategy.GROUP:
+        g = w.unflatten(-1, (w.shape[-1] // args.group_size, args.group_size))
+        return g.amin(dim=-1), g.amax(dim=-1)
+    if strategy == QuantizationStrategy.CHANNEL:
+        return w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+    if strategy == QuantizationStrategy.TENSOR:
+        lo, hi = torch.aminmax(w)
+        return lo, hi
+    raise ValueError(f"unsupported weight strategy {strategy}")
+
+
+def _write_compressed(path, base, seed, scheme, max_shard_size, ignore_extra=()) -> str:
+    """Load base, apply ``scheme`` to the layers' Linears, calibrate weights (min-max), compress, save."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    path = _prepare_out(path)
+    with _base_checkpoint(base, seed) as base_dir:
+        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+        config = QuantizationConfig(
+            config_groups={"group_0": scheme},
+            ignore=["lm_head", *ignore_extra],
+            quantization_status=QuantizationStatus.INITIALIZED,
+        )
+        apply_quantization_config(model, config, show_progress=False)
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                qscheme = getattr(module, "quantization_scheme", None)
+                if qscheme is None or qscheme.weights is None:
+                    continue
+                lo, hi = _observe_minmax(module.weight.data.to(torch.float32), qscheme.weights)
+                scale, zero_point = calculate_qparams(lo, hi, qscheme.weights)
+                module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+                if hasattr(module, "weight_zero_point"):
+                    module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
+                module.quantization_status = QuantizationStatus.FROZEN
+        compressor = ModelCompressor.from_pretrained_model(model)
+        compressor.compress_model(model)
+        state = model.state_dict()
+        write_shards(path, state, max_shard_size, order=list(state))
+        _copy_side_files(base_dir, path, None)
+        compressor.update_config(path)
+    return path
+
+
+def _linear_in_features(base, seed) -> dict[str, int]:
+    with _base_checkpoint(base, seed) as base_dir:
+        from safetensors import safe_open
+
+        sizes = {}
+        for f in os.listdir(base_dir):
+            if f.endswith(".safetensors"):
+                with safe_open(os.path.join(base_dir, f), "pt") as st:
+                    for k in st.keys():
+                        if _is_quantized_linear(k):
+                            sizes[k[: -len(".weight")]] = st.get_slice(k).get_shape()[-1]
+        return sizes
+
+
+def write_compressed_w4a16(path, *, base=None, group_size=32, symmetric=True, seed=0,
+                           max_shard_size=DEFAULT_SHARD) -> str:
+    """compressed-tensors ``pack-quantized`` INT4 weight-only, group strategy (llm-compressor W4A16 /
+    W4A16_ASYM with ``group_size``). Linears whose in_features ``group_size`` does not divide are
+    added to ``ignore`` and stay float32 (compressed-tensors cannot group-quantize them)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group_size,
+                                 symmetric=symmetric, dynamic=False),
+    )
+    base_is_tmp = base is None
+    if base_is_tmp:  # build the base once: it is needed twice
+        with _base_checkpoint(None, seed) as base_dir:
+            return write_compressed_w4a16(path, base=base_dir, group_size=group_size,
+                                          symmetric=symmetric, seed=seed, max_shard_size=max_shard_size)
+    indivisible = [m for m, n in _linear_in_features(base, seed).items() if n % group_size]
+    return _write_compressed(path, base, seed, scheme, max_shard_size, ignore_extra=indivisible)
+
+
+def write_compressed_w8a8(path, *, base=None, seed=0, max_shard_size=DEFAULT_SHARD) -> str:
+    """compressed-tensors ``int-quantized`` W8A8 (llm-compressor W8A8 / INT8 preset): int8 weights
+    symmetric per output channel, dynamic symmetric per-token int8 input activations."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True, dynamic=False),
+        input_activations=QuantizationArgs(num_bits=8, type="int", strategy="token", symmetric=True,
+                                           dynamic=True),
+    )
+    return _write_compressed(path, base, seed, scheme, max_shard_size)
+
+
+def write_compressed_fp8(path, *, base=None, weight_strategy="channel", seed=0,
+                         max_shard_size=DEFAULT_SHARD) -> str:
+    """compressed-tensors ``float-quantized`` FP8 W8A8 (llm-compressor FP8_DYNAMIC): float8_e4m3fn
+    weights, symmetric per channel (or per tensor), dynamic per-token FP8 input activations."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(num_bits=8, type="float", strategy=weight_strategy, symmetric=True,
+                                 dynamic=False),
+        input_activations=QuantizationArgs(num_bits=8, type="float", strategy="token", symmetric=True,
+                                           dynamic=True),
+    )
+    return _write_compressed(path, base, seed, scheme, max_shard_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# exact references for what transformers + compressed-tensors compute on CPU
+# ---------------------------------------------------------------------------------------------
+
+def unpack_int4(weight_packed: torch.Tensor, shape, packed_dim: int = 1) -> torch.Tensor:
+    """compressed-tensors' own unpacker: int32 words -> int8 values in [-8, 7]."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    return unpack_from_int32(weight_packed, 4, torch.Size([int(v) for v in shape]), packed_dim=packed_dim)
+
+
+def unpack_int4_by_hand(weight_packed: torch.Tensor, shape) -> torch.Tensor:
+    """The same without compressed-tensors: element j of a row is nibble j % 8 (LSB first) of word
+    j // 8, stored with +8 offset."""
+    out, inn = (int(v) for v in shape)
+    w = weight_packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(8, dtype=torch.int64) * 4
+    nib = (w.unsqueeze(-1) >> shifts) & 0xF
+    return (nib.reshape(w.shape[0], -1)[:, :inn] - 8).to(torch.int8)
+
+
+def dequantize_pack_quantized(weight_packed, weight_scale, weight_shape, weight_zero_point=None, *,
+                              group_size: int) -> torch.Tensor:
+    """INT4 group dequantization as compressed-tensors does it (``_process_group`` -> ``_dequantize``):
+    ``(q.to(scale.dtype) - zp.to(scale.dtype)) * scale`` per group of ``group_size`` columns; result
+    in ``scale.dtype``."""
+    out, inn = (int(v) for v in weight_shape)
+    q = unpack_int4(weight_packed, (out, inn))
+    scale = weight_scale
+    x = q.unflatten(-1, (inn // group_size, group_size)).to(scale.dtype)
+    if weight_zero_point is not None:
+        zp = unpack_int4(weight_zero_point, (out, scale.shape[-1]), packed_dim=0)
+        x = x - zp.to(scale.dtype).unsqueeze(-1)
+    return (x * scale.unsqueeze(-1)).flatten(-2)
+
+
+def dequantize_naive(weight, weight_scale, weight_zero_point=None) -> torch.Tensor:
+    """int-quantized / float-quantized (channel [out, 1] or tensor [1] scales):
+    ``(weight.to(scale.dtype) - zp) * scale``."""
+    x = weight.to(weight_scale.dtype)
+    if weight_zero_point is not None:
+        x = x - weight_zero_point.to(weight_scale.dtype)
+    return x * weight_scale
+
+
+def fake_quantize_per_token(x: torch.Tensor, kind: str = "int8") -> torch.Tensor:
+    """compressed-tensors' dynamic symmetric per-token activation QDQ (``forward_quantize``).
+
+    Per token = amax over every dim but the first two (for a 3D [batch, seq, hidden] input: over
+    hidden; a 2D input reduces over *everything*, i.e. per tensor -- compressed-tensors' quirk).
+    int8: ``scale = max(|min(x,0)|, max(x,0)) / 127.5`` (bit range 255 / 2); fp8: ``... / 448``
+    (896 / 2); a zero scale becomes ``finfo(scale.dtype).eps``. ``q = round_half_even(clamp(x / scale,
+    -128, 127))`` (int8) or ``clamp(x / scale, -448, 448).to(float8_e4m3fn).to(x.dtype)`` (fp8);
+    result ``q * scale`` (the zero point is 0 and drops out exactly).
+    """
+    reduce = tuple(range(2, x.ndim))
+    if reduce:
+        lo = x.amin(dim=reduce, keepdim=True)
+        hi = x.amax(dim=reduce, keepdim=True)
+    else:
+        lo, hi = torch.aminmax(x)
+    lo = torch.minimum(lo, torch.zeros_like(lo))
+    hi = torch.maximum(hi, torch.zeros_like(hi))
+    amax = torch.maximum(lo.abs(), hi.abs())
+    if kind == "int8":
+        scale = amax / torch.tensor(255.0 / 2, dtype=amax.dtype)
+    elif kind == "fp8":
+        scale = amax / torch.tensor(896.0 / 2, dtype=amax.dtype)
+    else:
+        raise ValueError(kind)
+    scale = torch.where(scale == 0, torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype), scale)
+    scaled = x / scale
+    if kind == "int8":
+        q = torch.round(torch.clamp(scaled, -128.0, 127.0))
+    else:
+        q = torch.clamp(scaled, -FP8_MAX, FP8_MAX).to(FP8).to(x.dtype)
+    return q.to(scale.dtype) * scale
+
+
+def dequantized_state_dict(path) -> dict[str, torch.Tensor]:
+    """The float32 weights transformers ends up holding for a checkpoint written here (names of the
+    dense model: ``<m>.weight``), computed with the references above."""
+    path = str(path)
+    qc = quantization_config(path) or {}
+    tensors = read_tensors(path)
+    out: dict[str, torch.Tensor] = {}
+    if qc.get("quant_method") == "fp8":
+        block = qc["weight_block_size"]
+        for k, v in tensors.items():
+            if k.endswith(".weight_scale_inv"):
+                continue
+            s = tensors.get(k + "_scale_inv")
+            out[k] = dequantize_fp8_block(v, s, block) if s is not None else v.to(torch.float32)
+        return out
+    if qc.get("quant_method") != "compressed-tensors":
+        return {k: v.to(torch.float32) for k, v in tensors.items()}
+    modules = {k.rsplit(".", 1)[0] for k in tensors if k.endswith((".weight_scale", ".weight_packed"))}
+    for k, v in tensors.items():
+        m, _, leaf = k.rpartition(".")
+        if m not in modules:
+            out[k] = v.to(torch.float32)
+        elif leaf == "weight_packed":
+            group = next(iter(qc["config_groups"].values()))["weights"]["group_size"]
+            out[m + ".weight"] = dequantize_pack_quantized(
+                v, tensors[m + ".weight_scale"], tensors[m + ".weight_shape"],
+                tensors.get(m + ".weight_zero_point"), group_size=group)
+        elif leaf == "weight" and m + ".weight_scale" in tensors:
+            out[k] = dequantize_naive(v, tensors[m + ".weight_scale"], tensors.get(m + ".weight_zero_point"))
+    return out
+
+
+def write_dequantized(path, quantized_path) -> str:
+    """A plain float32 checkpoint of ``dequantized_state_dict(quantized_path)`` (no
+    ``quantization_config``), sharded like the others. For the FP8-block and W4A16 formats transformers
+    on CPU computes exactly this model (dense float32 linears, no activation quantization), so
+    ``reference_generate`` on it is the reference even where transformers cannot load the quantized
+    checkpoint itself (partial FP8 blocks). Not so for W8A8 / FP8-dynamic: there transformers also
+    fake-quantizes every quantized linear's input per token (see ``fake_quantize_per_token``)."""
+    path = _prepare_out(path)
+    tensors = dequantized_state_dict(quantized_path)
+    write_shards(path, tensors, order=sorted(tensors, key=_natural_key))
+    _copy_side_files(str(quantized_path), path, None, drop_quant=True)
+    return path

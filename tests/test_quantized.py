@@ -1,0 +1,158 @@
+"""Quantized checkpoints (FP8 blocks, compressed-tensors INT4/INT8/FP8): sharded by rows, exact.
+
+Greedy output on 2 and 3 ranks and a 2x2 mesh equals transformers' own load of the same
+checkpoint (float32; where transformers cannot load it, FP8 with partial edge blocks and
+asymmetric INT4, the dense checkpoint of exactly the weights transformers' dequantization
+gives); every quantized tensor stays a row-sharded DTensor in its stored dtype; each rank reads
+about 1/S of it; one server reports its quantized bytes; an unsupported quantization is refused
+in one line before anything is read.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import tests.quantized_checkpoints as qc
+from tests.checkpoints import PROMPTS, generate_ids, reference_generate, write_checkpoint
+from tests.dist import run_ranks, values
+from tests.server_process import ServerProcess, free_port
+
+TOKENS = 12
+FORMATS = {
+    # name: (writer, whether transformers loads it as is: else the dense dequantized copy is the reference)
+    "fp8-block": (lambda path, base: qc.write_fp8_block(path, base=base, block=(32, 32)), False),  # partial blocks
+    "w4a16": (lambda path, base: qc.write_compressed_w4a16(path, base=base, group_size=16), True),
+    "w4a16-asym": (lambda path, base: qc.write_compressed_w4a16(path, base=base, symmetric=False), False),
+    "w8a8": (lambda path, base: qc.write_compressed_w8a8(path, base=base), True),
+    "fp8-dynamic": (lambda path, base: qc.write_compressed_fp8(path, base=base), True),
+    "fp8-tensor": (lambda path, base: qc.write_compressed_fp8(path, base=base, weight_strategy="tensor"), True),
+}
+STORED = {"fp8-block": ("weight", torch.float8_e4m3fn), "w4a16": ("weight_packed", torch.int32),
+          "w4a16-asym": ("weight_packed", torch.int32), "w8a8": ("weight", torch.int8),
+          "fp8-dynamic": ("weight", torch.float8_e4m3fn), "fp8-tensor": ("weight", torch.float8_e4m3fn)}
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """{format: (checkpoint, greedy reference ids per prompt)}."""
+    root = tmp_path_factory.mktemp("quantized")
+    base = write_checkpoint(root / "base", "llama")
+    out = {}
+    for name, (write, loads) in FORMATS.items():
+        path = write(root / name, base)
+        reference = path if loads else qc.write_dequantized(root / f"{name}-dense", path)
+        out[name] = path, reference_generate(reference, max_new_tokens=TOKENS)
+    return out
+
+
+def _load_and_generate(rank, world_size, paths, mesh):
+    from torch.distributed.tensor import DTensor
+
+    from loaders import load_hsdp_model
+    from shard_engine import HSDPInferenceConfig
+
+    out = {}
+    for name, path in paths.items():
+        loaded = load_hsdp_model(path, HSDPInferenceConfig(replicate_size=mesh[0], shard_size=mesh[1]),
+                                 dtype="float32")
+        stored, dtype = STORED[name]
+        up = loaded.model.model.layers[0].mlp.up_proj
+        param = getattr(up, stored)
+        assert isinstance(param, DTensor) and param.dtype == dtype, (name, type(param), param.dtype)
+        local_rows = param.to_local().shape[0]
+        out[name] = {"ids": [generate_ids(loaded.model, loaded.tokenizer, p, TOKENS) for p in PROMPTS],
+                     "bytes_read": loaded.stats.bytes_read, "checkpoint_bytes": loaded.stats.checkpoint_bytes,
+                     "local_rows": local_rows, "layers": loaded.stats.quantized_layers}
+    return out
+
+
+@pytest.mark.parametrize("mesh", [(1, 2), (1, 3), (2, 2)], ids=["2-ranks", "3-ranks", "2x2"])
+def test_greedy_matches_transformers_and_rows_are_sharded(tmp_path, quantized, mesh):
+    # 3 ranks: 176-row linears split 59/59/58, so FP8's 32-row scale blocks straddle the shard edges
+    names = list(FORMATS) if mesh == (1, 2) else ["fp8-block", "w4a16", "w8a8"]
+    world = mesh[0] * mesh[1]
+    results = values(run_ranks(_load_and_generate, world, tmp_path, {n: quantized[n][0] for n in names}, mesh,
+                               timeout=420))
+    for rank, out in enumerate(results):
+        for name in names:
+            got = out[name]
+            assert got["ids"] == quantized[name][1], f"{name} rank {rank} mesh {mesh}"
+            assert sum(got["layers"].values()) >= 18, got["layers"]
+            assert got["local_rows"] == -(-176 // mesh[1]) or rank % mesh[1] == mesh[1] - 1
+            # each rank reads its rows: about 1/S of the checkpoint (the norms and
+            # weight_shape vectors are read whole by every rank)
+            assert got["bytes_read"] < 1.15 * got["checkpoint_bytes"] / mesh[1], (name, got)
+
+
+def test_server_serves_a_quantized_checkpoint_and_reports_its_bytes(quantized, tmp_path):
+    path, reference = quantized["w8a8"]
+    with ServerProcess(path, nproc=2, extra_args=("--dtype", "float32"), log_path=tmp_path / "log") as server:
+        for prompt, want in zip(PROMPTS, reference):
+            r = server.client.post("/generate", json={"inputs": prompt, "parameters": {
+                "max_new_tokens": TOKENS, "details": True}})
+            assert r.status_code == 200, r.text
+            assert [t["id"] for t in r.json()["details"]["tokens"]] == want
+        info = server.client.get("/info").json()["quantization"]
+        assert list(info["layers"].values()) == [21], info
+        held = info["bytes_per_rank"]
+        assert len(held) == 2 and all(h["weights"] == held[0]["weights"] > 0 for h in held)
+        # int8 weights, a byte each: half the rows of q/o (64x64), k/v (32x64), gate/up (176x64) and down
+        # (64x176), in 3 layers; a float32 scale per row
+        rows = {"q": (64, 64), "k": (32, 64), "v": (32, 64), "o": (64, 64), "gate": (176, 64), "up": (176, 64),
+                "down": (64, 176)}
+        assert held[0]["weights"] == 3 * sum(out // 2 * cols for out, cols in rows.values())
+        assert held[0]["scales"] == 3 * sum(out // 2 * 4 for out, _ in rows.values())
+        metrics = server.client.get("/metrics").text
+        assert f'hsdp_quantized_bytes{{kind="weights",rank="1"}} {float(held[1]["weights"])}' in metrics
+
+
+@pytest.mark.parametrize("qconfig, named", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "'gptq' is not supported"),
+    ({"quant_method": "mxfp4"}, "'mxfp4' is not supported"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "'static'"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": None}, "weight_block_size"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+      "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized",
+                                    "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                                "group_size": 16}}}}, "'nvfp4-pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+      "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+      "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int",
+                                                                       "strategy": "channel"}}}},
+     "kv_cache_scheme"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+      "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+                                    "strategy": "group", "group_size": 128, "actorder": "weight"}}}}, "actorder 'weight'"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+      "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int",
+                                    "strategy": "channel"}, "input_activations": {"num_bits": 8, "type": "int",
+                                    "strategy": "tensor", "dynamic": False}}}}, "static"),
+])
+def test_unsupported_quantization_is_named(qconfig, named):
+    from loaders import UnsupportedQuantizationError
+    from loaders.quantization import quantization_plan
+
+    with pytest.raises(UnsupportedQuantizationError) as e:
+        quantization_plan({"quantization_config": qconfig}, path="config.json")
+    assert named in str(e.value) and "\n" not in str(e.value) and "config.json" in str(e.value)
+
+
+def test_server_refuses_an_unsupported_method_before_reading(quantized, tmp_path):
+    from tests.test_startup_failures import _start_and_wait
+
+    path = tmp_path / "gptq"
+    shutil.copytree(quantized["w8a8"][0], path)
+    with open(path / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
+    with open(path / "config.json", "w") as f:
+        json.dump(config, f)
+    for shard in (f for f in os.listdir(path) if f.endswith(".safetensors")):
+        os.truncate(path / shard, 0)  # nothing may be read: a read would fail on these first
+    code, errors, elapsed, stderr = _start_and_wait(["--model", str(path), "--port", str(free_port())])
+    assert code != 0 and elapsed < 60
+    assert len(errors) == 1, stderr[-2000:]
+    assert "quant_method 'gptq' is not supported" in errors[0] and "config.json" in errors[0], errors
