@@ -30,10 +30,12 @@ from loaders.errors import (
     MissingTensorError,
     ShapeMismatchError,
     UnexpectedTensorError,
+    UnsupportedQuantizationError,
     error_from_record,
     error_to_record,
 )
 from loaders.quantization import quantization_plan, quantize_skeleton
+from loaders.quantization.on_load import quantize_rows, quantize_skeleton_on_load
 from loaders.safetensors_io import read_rows
 from loaders.skeleton import build_skeleton, describe_layout, match_key_prefix
 from loaders.stats import LoadStats, read_proc_status, reset_peak_rss
@@ -209,6 +211,8 @@ class _StreamingLoad:
         # Sharded parameters materialise on the host when FSDP offloads them there.
         offloaded = isinstance(context.offload_policy, CPUOffloadPolicy)
         self.local_device = torch.device("cpu") if offloaded else context.target_device
+        # linears quantized as their rows arrive (--quantization): model weight name -> its layer
+        self.on_load = {f"{fqn}.weight": m for fqn, m in model.named_modules() if getattr(m, "quantize_on_load", False)}
         self._plan_units()
 
     def _plan_units(self) -> None:
@@ -330,11 +334,21 @@ class _StreamingLoad:
             raise ShapeMismatchError(
                 f"checkpoint shape {list(info.shape)} != model shape {list(expected.shape)}", path=path, tensor=key
             )
-        self._check_dtype(expected, info, path, key)
+        if name not in self.on_load:
+            self._check_dtype(expected, info, path, key)
+        elif not info.dtype.is_floating_point:
+            raise DTypeMismatchError(f"--quantization quantizes floating weights, not {info.dtype}", path=path,
+                                     tensor=key)
         start, stop = self._rows_to_read(name, info)
         data = self._fetch(fd, path, key, info, start, stop)
         self.stats.bytes_read += data.numel() * info.dtype.itemsize
         self.stats.tensors_read += 1
+        if name in self.on_load:  # this rank's rows, quantized now: nothing dense is kept
+            prefix = name.removesuffix("weight")
+            rows = data.to(self.layout.expected[prefix + "weight_scale"].dtype)
+            for stored, value in quantize_rows(rows, self.on_load[name].format).items():
+                self._deliver(prefix + stored, value)
+            return
         self._deliver(name, data)
 
     def _fetch(self, fd, path: str, key: str, info, start: int, stop: int) -> torch.Tensor:
@@ -547,6 +561,7 @@ def load_hsdp_model(
     progress: Callable[[int, int], None] | None = None,
     require_tokenizer: bool = False,
     load_concurrency: int = 8,
+    quantize: str | None = None,
 ) -> LoadedModel:
     """Load a safetensors checkpoint straight into an HSDP-sharded model: a local directory, or
     one an ``s3://`` URL resolved to (:mod:`loaders.sources.s3`), whose weights every rank then
@@ -557,7 +572,9 @@ def load_hsdp_model(
     natively and loads float32 elsewhere; a ``dtype`` casts floating tensors to it.
     ``read_mode="sliced"`` reads only this rank's rows of each sharded tensor; ``"full"``
     reads whole tensors and lets ``fully_shard`` chunk them. ``progress(done, total)`` is called
-    with checkpoint bytes processed as each tensor arrives.
+    with checkpoint bytes processed as each tensor arrives. ``quantize`` (``"int8"``, ``"fp8"``)
+    quantizes a plain checkpoint's linears by rows as they are read
+    (:mod:`loaders.quantization.on_load`); a checkpoint that ships quantized is loaded as it ships.
 
     Everything cheap is checked on every rank before any weight is read: the config, the index
     and every file's header, the tokenizer and generation config (``require_tokenizer``: a
@@ -583,6 +600,11 @@ def load_hsdp_model(
             config = load_config(model_dir)
             # an unsupported quantization is refused before the files are even listed
             quantization = quantization_plan(config, path=os.path.join(model_dir, "config.json"))
+            if quantization is not None and hsdp_config.param_dtype is not None:
+                # FSDP2 would cast FP8 weights to it in the all-gather, without their scales
+                raise UnsupportedQuantizationError(
+                    f"param_dtype {hsdp_config.param_dtype} with a quantized checkpoint (its weights are gathered as "
+                    "stored and dequantized by their layers)", path=os.path.join(model_dir, "config.json"))
             files = list_checkpoint_files(model_dir)
             stats.checkpoint_bytes = files.total_bytes
             skeleton_dtype, may_cast = _resolve_dtype(dtype, config, files, device)
@@ -592,6 +614,14 @@ def load_hsdp_model(
             model = build_skeleton(config, model_class, skeleton_dtype)
             if quantization is not None:
                 stats.quantized_layers = _quantize_skeleton(model, quantization, files)
+                if quantize and _is_rank_zero():
+                    logger.info("--quantization %s ignored: the checkpoint ships quantized (%s)", quantize,
+                                quantization.method)
+            elif quantize:
+                layout = describe_layout(model)
+                strip, add = match_key_prefix(model, set(files.tensors), set(layout.expected))
+                names = {add + key[len(strip):] for key in files.tensors if key.startswith(strip)}
+                stats.quantized_layers = quantize_skeleton_on_load(model, quantize, skeleton_dtype, names)
             if generation_config is not None and hasattr(model, "generation_config"):
                 model.generation_config = generation_config
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, see _agree

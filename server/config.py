@@ -63,6 +63,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALL_GATHERS = ("auto", "shm", "group")
 COMPILE_MODES = ("none", "decode")  # server.engine.compiled
 PACKED_LINEAR_MODES = ("auto", "on", "off")  # server.engine.linears
+QUANTIZE_ON_LOAD = ("none", "int8", "fp8")  # loaders.quantization.on_load
 TOOL_CALL_PARSERS = ("hermes",)  # server.api.openai.tools.FORMATS, checked there
 
 
@@ -171,6 +172,11 @@ class ServeConfig:
                                    choices=TOOL_CALL_PARSERS, metavar="NAME")
     dtype: str = option("auto", "weights' dtype; auto keeps the checkpoint's, but loads bf16/fp16 as float32 on "
                         "a CPU without native support for them", "model", choices=DTYPES)
+    quantization: str = option(
+        "none", "quantize a bf16/fp16/fp32 checkpoint's linears while it streams, each rank its own rows, one scale "
+        "per output row (lm_head and embeddings stay as they are): int8 or fp8 (e4m3) weights, computed "
+        "dequantized in the model's dtype; a checkpoint that ships quantized is served as it ships", "model",
+        choices=QUANTIZE_ON_LOAD)
     read_mode: str = option("sliced", "sliced: each rank reads only its own rows; full: whole tensors", "model",
                             choices=READ_MODES)
     load_concurrency: int = option(8, "ranged GETs a rank runs at once for a large read of an s3:// checkpoint",

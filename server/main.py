@@ -210,6 +210,7 @@ def _load(cfg: ServeConfig, source, hsdp, device, state, rank: int):
     loaded = load_hsdp_model(
         source.path, hsdp, device=device, dtype=cfg.torch_dtype or "auto", read_mode=cfg.read_mode,
         progress=load_progress_reporter(state, rank), require_tokenizer=True, load_concurrency=cfg.load_concurrency,
+        quantize=None if cfg.quantization == "none" else cfg.quantization,
     )
     release_freed_memory()  # the load's read buffers (server.group.memory says why)
     return loaded

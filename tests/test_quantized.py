@@ -5,7 +5,8 @@ checkpoint (float32; where transformers cannot load it, FP8 with partial edge bl
 asymmetric INT4, the dense checkpoint of exactly the weights transformers' dequantization
 gives); every quantized tensor stays a row-sharded DTensor in its stored dtype; each rank reads
 about 1/S of it; one server reports its quantized bytes; an unsupported quantization is refused
-in one line before anything is read.
+in one line before anything is read; ``--quantization int8|fp8`` makes, rows by rows on each rank,
+the shards compressed-tensors' quantization of the whole checkpoint gives.
 """
 
 import json
@@ -156,3 +157,36 @@ def test_server_refuses_an_unsupported_method_before_reading(quantized, tmp_path
     assert code != 0 and elapsed < 60
     assert len(errors) == 1, stderr[-2000:]
     assert "quant_method 'gptq' is not supported" in errors[0] and "config.json" in errors[0], errors
+
+
+def _quantize_on_load(rank, world_size, base, by_hand, kind):
+    from torch.distributed.tensor import DTensor
+
+    from loaders import load_hsdp_model
+    from shard_engine import HSDPInferenceConfig
+
+    config = HSDPInferenceConfig(replicate_size=1, shard_size=world_size)
+    on_load = load_hsdp_model(base, config, dtype="float32", quantize=kind)
+    shards = {n: p.to_local() for n, p in on_load.model.named_parameters() if isinstance(p, DTensor)}
+    hand = {n: p.to_local() for n, p in load_hsdp_model(by_hand, config, dtype="float32").model.named_parameters()
+            if isinstance(p, DTensor)}
+    assert shards.keys() == hand.keys()
+    differ = [n for n in shards if shards[n].dtype != hand[n].dtype or
+              not torch.equal(shards[n].view(torch.uint8), hand[n].view(torch.uint8))]
+    return {"differ": differ, "layers": on_load.stats.quantized_layers, "bytes_read": on_load.stats.bytes_read,
+            "ids": [generate_ids(on_load.model, on_load.tokenizer, p, TOKENS) for p in PROMPTS]}
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantize_while_streaming_equals_quantizing_by_hand(tmp_path, kind):
+    # the hand-made reference: compressed-tensors quantizes and compresses the whole model (min-max per
+    # row), as llm-compressor would; --quantization does it rows by rows on each rank as they are read
+    from loaders.quantization.on_load import on_load_format
+
+    base = write_checkpoint(tmp_path / "base", "llama")
+    by_hand = qc._write_compressed(tmp_path / "by-hand", base, 0, on_load_format(kind).scheme, "20KB")
+    reference = reference_generate(by_hand, max_new_tokens=TOKENS)
+    for rank, out in enumerate(values(run_ranks(_quantize_on_load, 2, tmp_path, base, by_hand, kind, timeout=300))):
+        assert out["differ"] == [], f"rank {rank}: shards unlike the hand-quantized checkpoint's"
+        assert list(out["layers"].values()) == [21], out["layers"]  # every linear but lm_head
+        assert out["ids"] == reference, f"rank {rank}"
