@@ -27,6 +27,8 @@ that do not need its result still run:
                    greedy tokens over HTTP equal to the in-process engine's, 32 streaming clients,
                    /info, SIGTERM and its exit code (``server.log``)
 10. ``cpu_offload`` ``HSDPInferenceConfig(cpu_offload=True)``: shards in host memory, same tokens
+11. ``quantized``   FP8-block, W4A16 and W8A8 tiny checkpoints loaded on the device (float32): greedy
+                   tokens equal to transformers' (``loaders.quantization``'s device path)
 
 Writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out`` after every phase, so a run cut
 short still leaves what it measured.
@@ -38,7 +40,8 @@ transformers >= 5.24. Carry the wheels (from the repository root, on a machine w
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \\
         transformers==5.24.0 regex==2026.11.19 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 \\
         pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \\
-        annotated-doc==0.0.7 typing_extensions==4.16.0 setproctitle==1.3.8 opentelemetry-api==1.45.2
+        annotated-doc==0.0.7 typing_extensions==4.16.0 setproctitle==1.3.8 opentelemetry-api==1.45.2 \\
+        compressed-tensors==0.20.1 loguru==0.7.3
     # there:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site:. python3 -m benchmarks.gpu_check --out $OUT
@@ -584,6 +587,50 @@ def _phase_cpu_offload(p: dict, run: Run) -> None:
         raise AssertionError(f"offloaded {r['tokens']} != resident {state['offload_expected']}")
 
 
+def _phase_quantized(p: dict, run: Run) -> None:
+    """Quantized checkpoints (``loaders.quantization``) computed on the device: a tiny Llama as FP8 16x16
+    blocks, compressed-tensors W4A16 and W8A8, loaded resident in float32 (TF32 off), greedy tokens
+    against transformers in float32 on the same device: for FP8 and W4A16 the dense checkpoint of
+    the weights transformers' dequantization gives (its GPU FP8 path quantizes activations, the
+    CPU one this reproduces does not), for W8A8 transformers' own load."""
+    import tests.quantized_checkpoints as qc
+    from tests.checkpoints import write_checkpoint
+
+    if time.monotonic() > run.deadline:
+        raise TimeoutError("past --budget-s")
+    from shard_engine import set_resident_units
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device, root = run.device, pathlib.Path(run.path).parent / "quantized"
+    base = write_checkpoint(root / "base", "llama")
+    formats = {"fp8-block-16": (qc.write_fp8_block(root / "fp8", base=base, block=(16, 16)), True),
+               "w4a16": (qc.write_compressed_w4a16(root / "w4a16", base=base, group_size=16), True),
+               "w8a8": (qc.write_compressed_w8a8(root / "w8a8", base=base), False)}
+    failures = []
+    for name, (path, dense_reference) in formats.items():
+        ours = load_ours(path, device, torch.float32)
+        set_resident_units(ours.model, -1)
+        reference_path = qc.write_dequantized(root / f"{name}-dense", path) if dense_reference else path
+        reference = load_reference(reference_path, device, torch.float32)
+        # these checkpoints' end-of-sequence id is a token like any other: generate's min_new_tokens
+        # would forbid it where the engine (no eos here) may choose it
+        reference.generation_config.eos_token_id = None
+        engine = make_engine(ours.model, device, 64)
+        vocab = ours.config.vocab_size
+        prompts = random_prompts(3, (5, 9, 14), vocab, seed=5)
+        start = time.perf_counter()
+        entry = compare_greedy(engine, reference, prompts, run.parity_new, kv_blocks=64,
+                               prefill_tokens=run.prefill_tokens)
+        entry["seconds"] = round(time.perf_counter() - start, 3)
+        entry["layers"] = ours.stats.quantized_layers
+        p[name] = entry
+        if entry["equal"] != entry["of"]:
+            failures.append(name)
+        del ours, reference, engine
+    if failures:
+        raise AssertionError(f"quantized greedy tokens differ from transformers' in {failures}")
+
+
 @dataclass
 class Run:
     """What the phases share: this run's settings, and what earlier phases leave in ``state``."""
@@ -663,7 +710,8 @@ def main(argv=None) -> int:
         run.state.pop(key, None)
     if run.device is not None and run.device.type == "cuda":
         torch.cuda.empty_cache()
-    for name, phase in (("parity_fp32", _phase_parity_fp32), ("cpu_offload", _phase_cpu_offload)):
+    for name, phase in (("parity_fp32", _phase_parity_fp32), ("cpu_offload", _phase_cpu_offload),
+                        ("quantized", _phase_quantized)):
         with report.phase(name) as p:
             phase(p, run)
 

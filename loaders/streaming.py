@@ -35,6 +35,7 @@ from loaders.errors import (
     error_to_record,
 )
 from loaders.quantization import quantization_plan, quantize_skeleton
+from loaders.quantization.linear import check_nothing_else_quantized
 from loaders.quantization.on_load import quantize_rows, quantize_skeleton_on_load
 from loaders.safetensors_io import read_rows
 from loaders.skeleton import build_skeleton, describe_layout, match_key_prefix
@@ -388,8 +389,9 @@ class _StreamingLoad:
         return rows is None or rows[0] <= index < rows[1]
 
     def _check_dtype(self, expected: torch.Tensor, info, path: str, key: str) -> None:
-        if expected.dtype != info.dtype and not (
+        if expected.dtype != info.dtype and not (  # (never a 1-byte float: FP8 means scales somewhere)
             self.may_cast and expected.dtype.is_floating_point and info.dtype.is_floating_point
+            and info.dtype.itemsize > 1
         ):
             raise DTypeMismatchError(
                 f"checkpoint dtype {info.dtype} != model dtype {expected.dtype} (pass dtype= to cast)",
@@ -529,14 +531,22 @@ class _StreamingLoad:
         return nn.Parameter(value, requires_grad=False)
 
 
+def _model_named_tensors(model: nn.Module, files) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The checkpoint's tensors under the model's names (transformers' renamings, then the
+    prefix mapping, as :class:`_StreamingLoad` maps them) -> (shape, dtype)."""
+    renamed = plan_conversions(model, files.tensors).renamed
+    layout = describe_layout(model)
+    keys = {renamed.get(key, key): info for key, (_, info) in files.tensors.items()}
+    strip, add = match_key_prefix(model, set(keys), set(layout.expected))
+    return {add + key[len(strip):]: (info.shape, info.dtype) for key, info in keys.items() if key.startswith(strip)}
+
+
 def _quantize_skeleton(model: nn.Module, plan, files) -> dict[str, int]:
     """The skeleton's linears that the checkpoint stores quantized become QuantizedLinear
     (:mod:`loaders.quantization`); returns {format: layers}."""
-    layout = describe_layout(model)
-    strip, add = match_key_prefix(model, set(files.tensors), set(layout.expected))
-    stored = {add + key[len(strip):]: (info.shape, info.dtype) for key, (_, info) in files.tensors.items()
-              if key.startswith(strip)}
+    stored = _model_named_tensors(model, files)
     counts = quantize_skeleton(model, plan, stored, path=files.directory)
+    check_nothing_else_quantized(model, stored, path=files.directory)
     if not counts:
         raise CheckpointError(f"quantization_config says {plan.method} but no layer's quantized tensors are in the "
                               "checkpoint", path=files.directory)
@@ -600,7 +610,7 @@ def load_hsdp_model(
             config = load_config(model_dir)
             # an unsupported quantization is refused before the files are even listed
             quantization = quantization_plan(config, path=os.path.join(model_dir, "config.json"))
-            if quantization is not None and hsdp_config.param_dtype is not None:
+            if (quantization is not None or quantize) and hsdp_config.param_dtype is not None:
                 # FSDP2 would cast FP8 weights to it in the all-gather, without their scales
                 raise UnsupportedQuantizationError(
                     f"param_dtype {hsdp_config.param_dtype} with a quantized checkpoint (its weights are gathered as "
@@ -618,9 +628,7 @@ def load_hsdp_model(
                     logger.info("--quantization %s ignored: the checkpoint ships quantized (%s)", quantize,
                                 quantization.method)
             elif quantize:
-                layout = describe_layout(model)
-                strip, add = match_key_prefix(model, set(files.tensors), set(layout.expected))
-                names = {add + key[len(strip):] for key in files.tensors if key.startswith(strip)}
+                names = set(_model_named_tensors(model, files))
                 stats.quantized_layers = quantize_skeleton_on_load(model, quantize, skeleton_dtype, names)
             if generation_config is not None and hasattr(model, "generation_config"):
                 model.generation_config = generation_config

@@ -70,12 +70,19 @@ class QuantizationPlan:
             if any(name == m or name.endswith("." + m) or name.startswith(m + ".") for m in self.ignore):
                 return None
             return self.formats[0][1]
-        from compressed_tensors.utils import is_match
+        from compressed_tensors.utils import match_targets
 
+        if self.ignore and match_targets(name, module, self.ignore):
+            return None
+        # as compressed-tensors applies config groups: the most specific target wins (an exact name,
+        # then a regex, then a class name), and of equals the later group
+        best, chosen = 3, None
         for targets, fmt in self.formats:
-            if is_match(name, module, targets, self.ignore):
-                return fmt
-        return None
+            for target in match_targets(name, module, targets):
+                rank = 1 if target.startswith("re:") else 0 if target == name else 2
+                if rank <= best:
+                    best, chosen = rank, fmt
+        return chosen
 
     def describe(self) -> str:
         return "; ".join(sorted({fmt.describe() for _, fmt in self.formats}))
@@ -168,7 +175,7 @@ def _check_scheme(scheme, kind: str, where: str, refuse) -> None:
         raise refuse(f"{where}: activation-only quantization is not supported")
     if scheme.output_activations is not None:
         raise refuse(f"{where}: output_activations quantization is not supported")
-    if value(w.actorder) not in (None, "static"):
+    if value(w.actorder) not in (None, "static", "weight"):  # (those reorder only while quantizing: no g_idx stored)
         raise refuse(f"{where}: weights.actorder {value(w.actorder)!r} is not supported (activation ordering, g_idx)")
     if w.dynamic:
         raise refuse(f"{where}: dynamic weight quantization is not supported")

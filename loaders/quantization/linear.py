@@ -78,9 +78,9 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.format.describe()}"
 
-    def dequantized_weight(self) -> torch.Tensor:
-        """The weight as transformers' load of the checkpoint holds it (its dtype: the scales' for
-        compressed-tensors, float32 for fp8 blocks)."""
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as transformers' load of the checkpoint holds it in a model of ``dtype``
+        (float32 for fp8 blocks, cast to ``dtype`` by the caller as transformers casts it)."""
         fmt = self.format
         if fmt.kind == "fp8-block":
             return dequantize_fp8_block(self.weight, self.weight_scale_inv, fmt.block)
@@ -89,13 +89,16 @@ class QuantizedLinear(nn.Module):
         from compressed_tensors.compressors import BaseCompressor
 
         state = {name: getattr(self, name) for name in fmt.stored_names}
+        # transformers holds the scales in the model's dtype (compressed-tensors' initialize), whatever the
+        # checkpoint stored them in, and dequantizes in it
+        state["weight_scale"] = state["weight_scale"].to(dtype)
         if "weight_shape" in state:
             state["weight_shape"] = torch.Size((self.out_features, self.in_features))
         compressor = BaseCompressor.get_value_from_registry(fmt.kind)
         return compressor.decompress(state, fmt.scheme)["weight"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.dequantized_weight().to(x.dtype)
+        weight = self.dequantized_weight(x.dtype).to(x.dtype)
         scheme = self.format.scheme
         if scheme is not None and scheme.input_activations is not None:
             x = quantize_input(x, scheme.input_activations)
@@ -155,6 +158,26 @@ def quantize_skeleton(model: nn.Module, plan: QuantizationPlan, stored: dict[str
         setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
         counts[fmt.describe()] = counts.get(fmt.describe(), 0) + 1
     return counts
+
+
+QUANTIZED_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_packed", "weight_zero_point", "weight_shape",
+                      "weight_g_idx", "input_scale", "activation_scale", "weight_global_scale")
+
+
+def check_nothing_else_quantized(model: nn.Module, stored: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                                 path: str | None = None) -> None:
+    """Refuse, before reading, a checkpoint tensor stored quantized (by its dtype or its name) that no
+    QuantizedLinear of ``model`` takes: quantized MoE experts, say, whose fused tensors are not linears.
+    Read as a dense weight it would be cast without its scales."""
+    taken = {f"{fqn}.{n}" for fqn, m in model.named_modules() if isinstance(m, QuantizedLinear)
+             for n in m.format.stored_names}
+    for name, (_, dtype) in stored.items():
+        if name in taken:
+            continue
+        if dtype in QUANTIZED_DTYPES or name.rpartition(".")[2] in QUANTIZED_SUFFIXES:
+            raise CheckpointError(f"{name} is stored quantized ({dtype}) but belongs to no linear layer the server "
+                                  "dequantizes (quantized MoE experts and other non-Linear weights are not supported)",
+                                  path=path, tensor=name)
 
 
 def quantized_bytes(model: nn.Module) -> dict[str, int]:
