@@ -74,6 +74,13 @@ class QuantizedLinear(nn.Module):
                 self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
         self.bias = bias
         self._checked = False
+        # resolved once: a forward runs every step
+        self._names = fmt.stored_names
+        self._compressor = None
+        if fmt.kind != "fp8-block":
+            from compressed_tensors.compressors import BaseCompressor
+
+            self._compressor = BaseCompressor.get_value_from_registry(fmt.kind)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.format.describe()}"
@@ -86,16 +93,13 @@ class QuantizedLinear(nn.Module):
             return dequantize_fp8_block(self.weight, self.weight_scale_inv, fmt.block)
         if not self._checked:
             self._check_shape()
-        from compressed_tensors.compressors import BaseCompressor
-
-        state = {name: getattr(self, name) for name in fmt.stored_names}
+        state = {name: getattr(self, name) for name in self._names}
         # transformers holds the scales in the model's dtype (compressed-tensors' initialize), whatever the
         # checkpoint stored them in, and dequantizes in it
         state["weight_scale"] = state["weight_scale"].to(dtype)
         if "weight_shape" in state:
             state["weight_shape"] = torch.Size((self.out_features, self.in_features))
-        compressor = BaseCompressor.get_value_from_registry(fmt.kind)
-        return compressor.decompress(state, fmt.scheme)["weight"]
+        return self._compressor.decompress(state, fmt.scheme)["weight"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.dequantized_weight(x.dtype).to(x.dtype)
@@ -153,9 +157,7 @@ def quantize_skeleton(model: nn.Module, plan: QuantizationPlan, stored: dict[str
                                       tensor=f"{name}.weight")
             continue
         dtypes = {n: stored[f"{name}.{n}"][1] for n in names}
-        replacement = QuantizedLinear(module.in_features, module.out_features, fmt, dtypes, module.bias)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+        model.set_submodule(name, QuantizedLinear(module.in_features, module.out_features, fmt, dtypes, module.bias))
         counts[fmt.describe()] = counts.get(fmt.describe(), 0) + 1
     return counts
 

@@ -47,8 +47,7 @@ def quantize_skeleton_on_load(model: nn.Module, kind: str, dtype: torch.dtype, c
         replacement = QuantizedLinear(module.in_features, module.out_features, fmt,
                                       {"weight": weight_dtype, "weight_scale": dtype}, module.bias)
         replacement.quantize_on_load = True
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, replacement)
+        model.set_submodule(name, replacement)
         counts[fmt.describe() + " (quantized on load)"] = counts.get(fmt.describe() + " (quantized on load)", 0) + 1
     return counts
 
