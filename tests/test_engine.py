@@ -296,3 +296,23 @@ def test_router_sends_a_request_to_the_replica_whose_step_ends_first():
     seventh = handle()
     full.submit(seventh)
     assert seventh.scheduler is d
+
+
+def test_auto_kv_pool_on_cpu_is_a_fifth_of_available_memory_split_between_the_ranks(monkeypatch):
+    """``--kv-cache-memory auto`` on CPU (the suite's servers run with a fixed size, conftest.py):
+    this host's MemAvailable x CPU_KV_SHARE / LOCAL_WORLD_SIZE, in whole blocks; a budget that
+    holds no block is refused naming the flag."""
+    from server.engine import rank
+    from server.engine.rank import KVGeometry, size_kv_pool
+
+    geometry = KVGeometry(num_layers=2, kv_heads=2, head_dim=16, dtype=torch.float32)  # 512 bytes a token
+    monkeypatch.setattr(rank, "_available_memory", lambda: 10 << 30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert size_kv_pool(None, geometry, 16, torch.device("cpu")) == int((10 << 30) * 0.2 / 4) // (512 * 16)
+    assert size_kv_pool(64 << 20, geometry, 16, torch.device("cpu")) == (64 << 20) // (512 * 16)
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        size_kv_pool(1000, geometry, 16, torch.device("cpu"))
+    with open("/proc/meminfo") as f:  # the real reading is the kernel's MemAvailable
+        kernel = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    monkeypatch.undo()
+    assert abs(rank._available_memory() - kernel) < 0.2 * kernel

@@ -21,6 +21,11 @@ LAYOUTS = {
     "replicas": (("--replicate-size", "2", "--shard-size", "1"), {"replicate": 2, "shard": 1}, [0, 1]),
     "resident-shard-group": ((), {"replicate": 1, "shard": 2}, [0, 0]),
 }
+# Equal KV pools on both ranks: two idle replicas then tie on every placement key (open requests,
+# the step in progress, free blocks) and the first, replica 0, takes the slow request. With auto
+# sizing each rank measures free memory at its own start, and the one that measured more took it
+# now and then (its request was then the fast one, and the test proved nothing).
+KV = ("--kv-cache-memory", "64MiB")
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -28,7 +33,7 @@ def served(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("replicas")
     path = write_checkpoint(root / "llama", "llama")
     args, mesh, replicas = LAYOUTS[request.param]
-    server = ServerProcess(path, extra_args=args,
+    server = ServerProcess(path, extra_args=(*args, *KV),
                            log_path=root / "server.log", env={"HSDP_INJECT_FORWARD_DELAY": f"0:{SLOW_S}"})
     server.layout = (mesh, replicas)
     try:
