@@ -6,6 +6,8 @@ llguidance's resource limits fails its request with an error naming the limit, n
 import concurrent.futures
 import json
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from tests.checkpoints import tokenizer, write_checkpoint
-from tests.server_process import ServerProcess
+from tests.server_process import REPO, ServerProcess
 from tests.waiting import wait_until
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "color", "tag"],
@@ -99,6 +101,26 @@ def test_the_batched_mask_equals_each_rows_own_mask():
     alone = masks.row(batch_rows[2])
     assert alone.rows_M.tolist() == [0] and torch.equal(alone.allowed_MV[0], references[2])
     assert masks.row(1) is None
+
+
+def test_masks_import_no_compiler():
+    """A step's masks import nothing of torch.compile: llguidance.torch's decorator imported
+    inductor (seconds holding the GIL) on rank 0's engine thread at the first grammar step, and
+    ``/health`` waited for it. In a fresh interpreter, as a rank starts."""
+    check = (
+        "import sys, torch\n"
+        "from tests.checkpoints import tokenizer\n"
+        "from server.engine.grammar import GrammarRows, Grammars, grammar_for\n"
+        "rows = GrammarRows(Grammars(tokenizer()))\n"
+        "g = grammar_for('regex', '[0-9]+')\n"
+        "rows.start(1, g, [])\n"
+        "masks, failed = rows.masks([(0, 1, g, [])], 300, torch.device('cpu'))\n"
+        "assert failed == {} and masks.allowed_MV.any(), failed\n"
+        "found = sorted(m for m in sys.modules if m.startswith(('torch._inductor', 'torch._dynamo', 'llguidance.torch')))\n"
+        "print(len(found), found[:3])\n")
+    out = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "0 []", out.stdout
 
 
 def test_a_matcher_in_an_error_state_is_an_error_not_a_stop():

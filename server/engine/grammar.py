@@ -205,8 +205,6 @@ class GrammarRows:
         """The allowed tokens of every ``(row, seq_id, grammar, generated)``, as one
         :class:`~server.engine.sampling.RowMasks` over ``vocab`` columns on ``device`` (None when no
         row has one), and ``{row: why}`` for the rows that cannot go on (their sequences fail)."""
-        import llguidance.torch
-
         from server.engine.sampling import RowMasks
 
         failed: dict[int, str] = {}
@@ -225,10 +223,14 @@ class GrammarRows:
             return None, failed
         words = (self.grammars.vocab_size + 31) // 32
         if self._bitmask_MW is None or self._bitmask_MW.shape[0] < len(live):
-            self._bitmask_MW = llguidance.torch.allocate_token_bitmask(max(len(live), 8), self.grammars.vocab_size)
+            self._bitmask_MW = torch.full((max(len(live), 8), words), -1, dtype=torch.int32)  # [M, W], on the host
         bitmask_MW = self._bitmask_MW[:len(live)]
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(m, j) for j, (_, m) in enumerate(live)], bitmask_MW)
+        # llguidance.torch's fill_next_token_bitmask_par, called directly: importing that module
+        # runs a torch.compile decorator, which imports inductor (seconds, holding the GIL) on the
+        # engine thread at the first grammar step, and /health waited for it (up to 1.1 s in CI).
+        # Each matcher's mask goes to row j of the contiguous int32 buffer; the GIL is dropped.
+        self._executor.unsafe_compute_mask_ptr([(m, j) for j, (_, m) in enumerate(live)], bitmask_MW.data_ptr(),
+                                               words * 4, len(live))
         keep = []
         nonempty = bitmask_MW.ne(0).any(dim=1).tolist()
         for j, (row, matcher) in enumerate(live):
