@@ -541,6 +541,41 @@ def _phase_step_profile(p: dict, run: Run) -> None:
     (pathlib.Path(args.out) / "step_profile.txt").write_text(text.getvalue())
 
 
+def _phase_sampling_syncs(p: dict, run: Run) -> None:
+    """The host syncs of one sampling call (issue 25, item 3): greedy rows, and rows asking for
+    alternatives, should each cost one (the step's single device-to-host copy). Counted with
+    torch's CUDA sync debug mode; on CPU (dry run) the calls run and nothing is counted."""
+    import warnings
+
+    from server.engine.sampling import BatchSampler, Row, SamplingParams
+
+    device = run.device or torch.device("cpu")
+    logits = torch.randn(16, 32000, device=device)
+    sampler = BatchSampler()
+    cases = {"greedy": [Row(SamplingParams(max_new_tokens=4), [1, 2], 0) for _ in range(16)],
+             "top_logprobs": [Row(SamplingParams(max_new_tokens=4, top_logprobs=5 if i % 4 == 0 else 0), [1, 2], 0)
+                              for i in range(16)]}
+    for name, rows in cases.items():
+        expected = logits.argmax(-1).tolist()
+        if device.type != "cuda":
+            out = sampler.sample(logits.clone(), rows)
+            p[f"{name}_syncs"] = None
+        else:
+            copy = logits.clone()
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    out = sampler.sample(copy, rows)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            p[f"{name}_syncs"] = sum("synchroniz" in str(w.message) for w in caught)
+        assert [t for t, _, _ in out] == expected, name
+    if device.type == "cuda":
+        assert p["greedy_syncs"] <= 1 and p["top_logprobs_syncs"] <= 1, p
+
+
 def _phase_serve(p: dict, run: Run) -> None:
     args, dry, prompt_tokens, new_tokens = run.args, run.dry, run.prompt_tokens, run.new_tokens
     prefill_tokens, state, device, path = run.prefill_tokens, run.state, run.device, run.path
@@ -699,7 +734,8 @@ def main(argv=None) -> int:
     run.path = str(pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="gpu-check-")) / "llama-1b")
     phases = [("checkpoint", _phase_checkpoint), ("load", _phase_load), ("residency", _phase_residency),
               ("parity_bf16" if not run.dry else "parity_dtype", _phase_parity_bf16), ("decode", _phase_decode),
-              ("prefetch", _phase_prefetch), ("step_profile", _phase_step_profile)]
+              ("prefetch", _phase_prefetch), ("step_profile", _phase_step_profile),
+              ("sampling_syncs", _phase_sampling_syncs)]
     for name, phase in phases:
         with report.phase(name) as p:
             phase(p, run)

@@ -180,12 +180,23 @@ class BatchSampler:
             finite_M = torch.isfinite(probs_MV).all(dim=-1)
             greedy_M = torch.argmax(logits_NV.index_select(0, index), dim=-1)
             tokens_N.index_copy_(0, index, torch.where(finite_M, drawn_M, greedy_M))
-        logprob_N = logprobs_NV.gather(1, tokens_N.unsqueeze(1)).squeeze(1).tolist()
-        tokens = tokens_N.tolist()
-        out = []
-        for i in range(len(rows)):
-            top = list(zip(tops[i].indices.tolist(), tops[i].values.tolist())) if i in tops else []
-            out.append((tokens[i], logprob_N[i], top))
+        logprob_N = logprobs_NV.gather(1, tokens_N.unsqueeze(1)).squeeze(1)
+        # The step's one device-to-host copy (on a GPU its only sync): the tokens, their
+        # log-probabilities and every asked-for alternative in one float64 row, exact for both
+        # (token ids are integers far below 2**53; a float32 widens exactly).
+        parts = [tokens_N.double(), logprob_N.double()]
+        for top in tops.values():
+            parts += [top.indices.double(), top.values.double()]
+        host = torch.cat(parts).tolist()
+        n = len(rows)
+        out, at = [], 2 * n
+        for i in range(n):
+            top = []
+            if i in tops:
+                k = tops[i].indices.numel()
+                top = [(int(t), v) for t, v in zip(host[at:at + k], host[at + k:at + 2 * k])]
+                at += 2 * k
+            out.append((int(host[i]), host[n + i], top))
         return out
 
     def _uniform(self, row: Row) -> float:
