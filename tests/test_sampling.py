@@ -93,3 +93,27 @@ def test_presence_and_frequency_penalties_follow_openais_formula():
             expected[t] -= frequency * generated.count(t) + presence
         torch.testing.assert_close(ours[i], expected)
     assert ours[0, 2] == logits[0, 2]  # a prompt token is not penalised
+
+
+def test_a_step_reaches_the_host_in_one_copy(monkeypatch):
+    """Tokens, their logprobs and the alternatives asked for come back in one ``tolist`` (on a GPU
+    each is a sync; benchmarks/gpu_check.py counts the syncs themselves), each value as the model's
+    own log-softmax has it."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    rows = [Row(SamplingParams(max_new_tokens=4, top_logprobs=3 if i in (1, 4) else 0), [1, 2], 0) for i in range(6)]
+    copies = []
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        copies.append(tuple(self.shape))
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    out = BatchSampler().sample(logits.clone(), rows)
+    monkeypatch.undo()
+    assert len(copies) == 1, copies
+    logprobs = torch.log_softmax(logits, -1)
+    for i, (token, logprob, top) in enumerate(out):
+        assert token == int(logits[i].argmax()) and logprob == float(logprobs[i, token])
+        values, indices = torch.topk(logprobs[i], 3)
+        assert top == (list(zip(indices.tolist(), values.tolist())) if i in (1, 4) else [])
