@@ -555,13 +555,13 @@ def _phase_sampling_syncs(p: dict, run: Run) -> None:
     cases = {"greedy": [Row(SamplingParams(max_new_tokens=4), [1, 2], 0) for _ in range(16)],
              "top_logprobs": [Row(SamplingParams(max_new_tokens=4, top_logprobs=5 if i % 4 == 0 else 0), [1, 2], 0)
                               for i in range(16)]}
+    expected = logits.argmax(-1).tolist()
     for name, rows in cases.items():
-        expected = logits.argmax(-1).tolist()
+        copy = logits.clone()  # sample() masks in place
         if device.type != "cuda":
-            out = sampler.sample(logits.clone(), rows)
+            out = sampler.sample(copy, rows)
             p[f"{name}_syncs"] = None
         else:
-            copy = logits.clone()
             torch.cuda.synchronize()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
