@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,10 +16,34 @@ import httpx
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free localhost port outside the kernel's ephemeral range.
+
+    A port from ``bind(("", 0))`` is free only until it is closed: the server under test then binds
+    its own stores and gloo's pair sockets on ports the OS picks from that same range, and one of
+    them can take the HTTP port before uvicorn binds it (CI saw ``address already in use``). The OS
+    never hands out a port below the range on its own, so a port there stays ours."""
+    low, high = _ephemeral_range()
+    span = (1024, low - 1) if low > 11024 else (high + 1, 65535)
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = rng.randint(*span)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {span}")
 
 
 class ServerProcess:
