@@ -1,12 +1,14 @@
-"""Per-step cost of the control channel: pickle (torch's ``*_object`` collectives) against the wire.
+"""Per-step cost of the control channel: its encoding against pickle, its transport against gloo.
 
     python -m benchmarks.control_wire [--sequences 32] [--top 5] [--repeats 2000]
 
 A decode step's plan (``--sequences`` sequences, one token each), a prefill step's plan (as many
 sequences added, 128-token prompts) and one rank's result (``--sequences`` tokens with ``--top``
 alternatives each). Prints one JSON line per payload: microseconds to encode and to decode it
-(pickle.dumps and loads against to_wire + msgpack and back, best of 5 rounds), its bytes, and over 2 CPU ranks (gloo on
-loopback) the round trip of one plan broadcast and one result gather, as ``run_engine_loop`` does.
+(pickle.dumps and loads against to_wire + msgpack and back, best of 5 rounds), its bytes, and
+over 2 CPU ranks the round trip of one plan out and one result back, as a step does: torch's
+pickling ``*_object`` collectives over gloo, the wire's frames over gloo, and the control
+channel's link (``server.group.links``: one TCP connection, the same msgpack values).
 """
 
 from __future__ import annotations
@@ -71,26 +73,36 @@ def measure_codecs(payloads: dict, repeats: int) -> dict:
 def _round_trips(rank: int, store_path: str, payloads: dict, repeats: int, queue) -> None:
     import torch.distributed as dist
 
-    from server.group.control import ControlChannel
+    from server.group.control import control_channels
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
-    channel = ControlChannel(120, [0, 1])
-    group, result = channel.group, payloads["result"]
+    channel = control_channels(120, [[0, 1]])[0]  # rank 0's link to rank 1 (server.group.links)
+    group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=120))
+    result = payloads["result"]
     figures = {}
     for name in ("decode_plan", "prefill_plan"):
         plan = payloads[name]
 
-        def old():  # today's path: pickled objects
+        def pickled():  # torch's *_object collectives over gloo (before session 7)
             box = [plan if rank == 0 else None]
             dist.broadcast_object_list(box, src=0, group=group)
             dist.gather_object(result if rank else None, [None, None] if rank == 0 else None, dst=0, group=group)
 
-        def new():
+        def gloo():  # the wire's frames over gloo (sessions 7-15)
+            sent = wire.broadcast(to_wire(plan) if rank == 0 else None, src=0, group=group)
+            if rank:
+                from_wire(StepPlan, sent)
+            got = wire.gather(to_wire(result) if rank else None, dst=0, group=group)
+            if rank == 0:
+                [from_wire(StepResult, r) for r in got if r is not None]
+
+        def link():  # the control channel today: one TCP connection, the same msgpack values
             channel.broadcast_plan(plan if rank == 0 else None)
             channel.gather_results(result if rank else None)
 
-        for label, step in (("pickle_round_trip_us", old), ("wire_round_trip_us", new)):
+        for label, step in (("pickle_gloo_round_trip_us", pickled), ("wire_gloo_round_trip_us", gloo),
+                            ("link_round_trip_us", link)):
             dist.barrier(group=group)
             figures.setdefault(name, {})[label] = round(_time_us(step, repeats), 1)
     if rank == 0:

@@ -409,6 +409,7 @@ ENVIRONMENT = {
     "HSDP_NODE_RANK": "docker/entrypoint.sh: this node's rank (0 serves HTTP)",
     "HSDP_MASTER_ADDR": "docker/entrypoint.sh: node rank 0's address",
     "HSDP_MASTER_PORT": "docker/entrypoint.sh: the rendezvous port (default 29500)",
+    "HSDP_CONTROL_HOST": "several nodes: the address of rank 0's node its control link listens on and the ranks dial",
     "HSDP_GROUP_SECRET": "several nodes: a secret every rank proves it knows (HMAC) before the group starts",
     "HSDP_GROUP_SECRET_FILE": "a file holding HSDP_GROUP_SECRET (a mounted Secret); set one of the two",
 }

@@ -66,19 +66,13 @@ def realistic_result(rank: int) -> StepResult:
     )
 
 
-def _send_raw(data: bytes, group) -> None:
-    # shard_engine.wire's framing, by hand: one frame, the length (8 bytes, little endian), then the bytes
-    assert len(data) <= wire.FRAME_BYTES - 8
-    frame = (len(data).to_bytes(8, "little") + data).ljust(wire.FRAME_BYTES, b"\0")
-    dist.broadcast(torch.frombuffer(bytearray(frame), dtype=torch.uint8), src=0, group=group)
-
-
 def _pickle_as_plan(rank, world_size, target):
-    from server.group.control import ControlChannel
+    from server.group.control import control_channels
 
-    channel = ControlChannel(60, [0, 1])
+    channel = control_channels(60, [[0, 1]])[0]
     if rank == 0:
-        _send_raw(pickle.dumps(CreatesFile(target)), channel.group)
+        # a link's framing, by hand: the length (8 bytes, little endian), then the bytes
+        channel.links[0].send_bytes(pickle.dumps(CreatesFile(target)))
         return None
     return channel.broadcast_plan(None)  # raises: what arrived is no plan
 
@@ -132,9 +126,9 @@ def test_records_round_trip_in_process():
 
 
 def _plan_results_and_collectives(rank, world_size):
-    from server.group.control import ControlChannel
+    from server.group.control import control_channels
 
-    channel = ControlChannel(60, [0, 1, 2])
+    channel = control_channels(60, [[0, 1, 2]])[0]
     plan = channel.broadcast_plan(realistic_plan() if rank == 0 else None)
     results = channel.gather_results(realistic_result(rank) if rank else None)  # rank 0: not in the replica
     shutdown = channel.broadcast_plan(StepPlan(shutdown=True) if rank == 0 else None).shutdown
@@ -231,3 +225,83 @@ def test_the_secret_is_read_from_the_variable_or_its_file(tmp_path):
         read_group_secret({"HSDP_GROUP_SECRET_FILE": str(path)})
     with pytest.raises(ValueError, match="HSDP_GROUP_SECRET_FILE"):
         read_group_secret({"HSDP_GROUP_SECRET_FILE": os.fspath(tmp_path / "absent")})
+
+
+def test_a_stranger_on_the_control_port_is_refused_and_the_ranks_still_join():
+    """Rank 0's listener takes a rank only with the group's token: a connection without it (or
+    with a wrong one, or saying nothing) is closed, and the real ranks' links form all the same."""
+    import socket
+    import threading
+
+    from server.group.links import Link, LinkError, _accept, _dial
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = {"host": "127.0.0.1", "port": listener.getsockname()[1], "token": "t" * 64}
+    strangers = []
+
+    def stranger(hello) -> None:
+        sock = socket.create_connection(("127.0.0.1", address["port"]), timeout=30)
+        link = Link(sock, 0, 30)
+        if hello is not None:
+            link.send(hello)
+        try:
+            strangers.append(link.recv())
+        except LinkError as e:
+            strangers.append(e)
+
+    dialed = {}
+
+    def rank(r: int) -> None:
+        dialed[r] = _dial(address, r, 30)
+
+    threads = [threading.Thread(target=stranger, args=(h,)) for h in ({"rank": 1, "token": "x" * 64}, {"rank": 9})]
+    threads += [threading.Thread(target=rank, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    links = _accept(listener, address["token"], world=3, timeout_s=30)
+    for t in threads:
+        t.join(30)
+    listener.close()
+    assert sorted(links) == [1, 2] and sorted(dialed) == [1, 2]
+    assert all(isinstance(s, LinkError) and "closed its link" in str(s) for s in strangers), strangers
+    links[2].send({"plan": [1, 2]})
+    assert dialed[2].recv() == {"plan": [1, 2]}
+    dialed[1].send(None)
+    assert links[1].recv() is None
+
+
+def test_a_link_whose_peer_is_gone_fails_at_once_and_a_value_it_cannot_carry_fails_both_ends():
+    import socket
+    import time
+
+    from server.group.links import Link, LinkError
+
+    a, b = socket.socketpair()
+    mine, theirs = Link(a, 1, timeout_s=60), Link(b, 0, timeout_s=60)
+    with pytest.raises(WireError, match="not plain data"):
+        theirs.send({"x": CreatesFile("/nonexistent-dir/never")})
+    with pytest.raises(WireError, match="rank 1 could not encode its value"):
+        mine.recv()
+    theirs.close()
+    start = time.monotonic()
+    with pytest.raises(LinkError, match="rank 1 closed its link"):
+        mine.recv()
+    assert time.monotonic() - start < 5  # not the link's 60 s timeout
+    a2, b2 = socket.socketpair()
+    with pytest.raises(LinkError, match="nothing from rank 3 for 0.2 s"):
+        Link(a2, 3, timeout_s=0.2).recv()
+    b2.close()
+
+
+def test_the_control_host_is_loopback_on_one_node_and_named_or_routed_across_nodes():
+    from server.group.links import control_host
+
+    assert control_host(2, {}) == "127.0.0.1"
+    assert control_host(4, {"LOCAL_WORLD_SIZE": "4"}) == "127.0.0.1"
+    assert control_host(4, {"LOCAL_WORLD_SIZE": "2", "HSDP_CONTROL_HOST": "10.1.2.3"}) == "10.1.2.3"
+    assert control_host(4, {"LOCAL_WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo"}) == "127.0.0.1"
+    assert control_host(4, {"LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}) == "127.0.0.1"
+    with pytest.raises(ValueError, match="HSDP_CONTROL_HOST"):
+        control_host(4, {"LOCAL_WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match="GLOO_SOCKET_IFNAME=nonexistent0"):
+        control_host(4, {"LOCAL_WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "nonexistent0"})

@@ -2,11 +2,12 @@
 
 A step group is the ranks that enter their forwards together: a replica (shard group) when a
 forward gathers units, each rank alone when every unit is resident (server.main
-``_step_groups``). One channel per group, each a gloo group of its own of rank 0 and the
-group's ranks, also when the model's collectives run on NCCL: plans are small, and a CPU group
-never queues behind the model's all-gathers. Rank 0 steps its own group from its main thread;
-every other group is stepped by a thread of rank 0 that plans for it and waits for its tokens
-(both :func:`run_engine_loop`), so the groups run their steps independently.
+``_step_groups``). One channel per group, over rank 0's links to the group's ranks
+(``server.group.links``: a TCP connection per rank, also when the model's collectives run on
+NCCL; a gloo collective cost 0.5-1 ms a message, a link's ping-pong 0.03 ms). Rank 0 steps its own
+group from its main thread; every other group is stepped by a thread of rank 0 that plans for
+it and waits for its tokens (both :func:`run_engine_loop`), so the groups run their steps
+independently.
 
 Nothing received is executed: plans and results travel as plain data (``shard_engine.wire``:
 msgpack, never pickle) and are rebuilt only as the records of ``server.engine.plan``
@@ -15,7 +16,6 @@ declares) raises :class:`shard_engine.wire.WireError` on the rank that received 
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 
@@ -24,47 +24,59 @@ import torch.distributed as dist
 from server.engine import RankEngine, StepPlan, StepResult
 from server.engine.plan_wire import from_wire, to_wire
 from shard_engine import wire
+from shard_engine.wire import WireError
 
 logger = logging.getLogger(__name__)
 
 
 class ControlChannel:
-    """Rank 0 and ``ranks`` (a replica's); rank 0 sends plans and gathers results."""
+    """Rank 0 and ``ranks`` (a replica's); rank 0 sends plans and gathers results over ``links``
+    (:func:`server.group.links.open_links`: rank 0's to every rank, another rank's to rank 0)."""
 
-    def __init__(self, timeout_s: float, ranks: list[int]):
-        self.ranks = sorted({0, *ranks})
-        # Collective over the default group: every rank creates every channel, in the same order.
-        self.group = dist.new_group(self.ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    def __init__(self, links: dict, ranks: list[int]):
         self.rank = dist.get_rank()
-        # rank 0's own group of one (every unit resident): nothing to send, nobody to hear from.
-        # Skipping the wire there saved ~1.2 ms a step (two broadcasts, an all-gather and a
-        # gather over gloo, each payload encoded and decoded), 18% of rank 0's decode loop at
-        # one client on the 24-layer tiny Llama compiled (py-spy).
+        self.ranks = sorted({0, *ranks})
+        # rank 0: one link per member; a member: its link to rank 0. Rank 0's own group of one
+        # (every unit resident) has none: nothing to send, nobody to hear from.
+        self.links = [links[r] for r in self.ranks if r != 0] if self.rank == 0 else [links[0]]
         self.alone = self.ranks == [self.rank]
 
     def broadcast_plan(self, plan: StepPlan | None) -> StepPlan:
         """Rank 0's ``plan`` on every member (theirs is ignored); rank 0 keeps its own object."""
-        if self.alone:
-            return plan
-        sent = wire.broadcast(to_wire(plan) if self.rank == 0 else None, src=0, group=self.group)
-        return plan if self.rank == 0 else from_wire(StepPlan, sent)
+        if self.rank != 0:
+            return from_wire(StepPlan, self.links[0].recv())
+        if self.links:
+            # encoded once for every member; a plan that cannot be (not plain data) goes as length 0,
+            # so that every member raises too instead of waiting for a plan
+            try:
+                data = wire.encode(to_wire(plan))
+            except WireError:
+                for link in self.links:
+                    link.send_bytes(b"")
+                raise
+            for link in self.links:  # a write into the kernel's buffer each: no waiting on a peer
+                link.send_bytes(data)
+        return plan
 
     def gather_results(self, result: StepResult | None) -> list[StepResult] | None:
-        """Rank 0: every member's result (rank 0's own is None where it is not in the replica)."""
-        if self.alone:
-            return [result] if result is not None else []
-        out = wire.gather(to_wire(result) if result is not None else None, dst=0, group=self.group)
-        return [from_wire(StepResult, r) for r in out if r is not None] if out is not None else None
+        """Rank 0: every member's result, by rank (rank 0's own first; none where it is not in
+        the replica). None on the others."""
+        if self.rank != 0:
+            self.links[0].send(to_wire(result))
+            return None
+        results = [result] if result is not None else []
+        results += [from_wire(StepResult, link.recv()) for link in self.links]
+        return results
 
 
 def control_channels(timeout_s: float, replicas: list[list[int]]) -> list[ControlChannel | None]:
-    """One channel per replica, created on every rank (collectively); a rank keeps those it is in."""
+    """One channel per replica, on every rank (collectively: rank 0 opens a link to every other
+    rank); a rank keeps those it is in."""
+    from server.group.links import open_links
+
     me = dist.get_rank()
-    channels = []
-    for replica in replicas:
-        channel = ControlChannel(timeout_s, replica)
-        channels.append(channel if me in channel.ranks else None)
-    return channels
+    links = open_links(timeout_s)
+    return [ControlChannel(links, replica) if me in {0, *replica} else None for replica in replicas]
 
 
 def run_engine_loop(engine: RankEngine | None, channel: ControlChannel, scheduler=None, watchdog=None) -> None:
