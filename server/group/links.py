@@ -62,6 +62,11 @@ class Link:
         sock.settimeout(timeout_s)
         self.sock, self.peer, self.timeout_s = sock, peer, timeout_s
         self._header = bytearray(_HEADER)
+        # A second descriptor that nothing in Python closes: the connection ends when the process
+        # does, as gloo's did. A failing rank's frames (and its socket objects) go seconds before
+        # its process exits; a link closed with them reset rank 0's end at once, rank 0 failed
+        # the group first, and the launcher named rank 0 instead of the rank at fault.
+        self._held = os.dup(sock.fileno())
 
     def send(self, value) -> None:
         """``value`` as one frame. A value that is not plain data goes as length 0 (the peer
@@ -107,6 +112,9 @@ class Link:
 
     def close(self) -> None:
         self.sock.close()
+        if self._held >= 0:
+            os.close(self._held)
+            self._held = -1
 
 
 def control_host(world: int, environ=None) -> str:
@@ -208,7 +216,9 @@ def _accept(listener: socket.socket, token: str, world: int, timeout_s: float) -
                 logger.warning("control link from %s refused: not a rank of this group", peer_address)
                 link.close()
                 continue
-            links[peer] = Link(sock, peer, timeout_s)
+            link.peer, link.timeout_s = peer, timeout_s
+            sock.settimeout(timeout_s)
+            links[peer] = link
         for link in links.values():
             link.send("ok")
     except BaseException:
