@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 CONTROL_HOST_ENV = "HSDP_CONTROL_HOST"
 _HEADER = 8
 _HELLO_TIMEOUT_S = 10.0  # a connection that says nothing this long is not one of ours
+_HELLO_BYTES = 1024  # a rank's hello is its rank and a 64-character token
 
 
 class LinkError(ConnectionError):
@@ -86,14 +87,15 @@ class Link:
         except OSError as e:
             raise LinkError(f"the link to rank {self.peer} is gone ({e})", peer=self.peer) from None
 
-    def recv(self) -> object:
-        """The next frame's value (WireError if the peer could not encode it, or sent no plain data)."""
+    def recv(self, max_bytes: int = wire.MAX_BYTES) -> object:
+        """The next frame's value (WireError if the peer could not encode it, sent no plain data,
+        or announced more than ``max_bytes``: refused before anything is allocated)."""
         self._recv_into(memoryview(self._header))
         length = int.from_bytes(self._header, "little")
         if length == 0:
             raise wire.WireError(f"rank {self.peer} could not encode its value (not plain data): see its log")
-        if length > wire.MAX_BYTES:
-            raise wire.WireError(f"rank {self.peer} sent a value of {length} bytes (at most {wire.MAX_BYTES} are taken)")
+        if length > max_bytes:
+            raise wire.WireError(f"rank {self.peer} sent a value of {length} bytes (at most {max_bytes} are taken)")
         data = bytearray(length)
         self._recv_into(memoryview(data))
         return wire.decode(data)
@@ -204,7 +206,7 @@ def _accept(listener: socket.socket, token: str, world: int, timeout_s: float) -
                 raise LinkError(f"ranks {missing} did not open their control links within {timeout_s:g} s") from None
             link = Link(sock, -1, min(timeout_s, _HELLO_TIMEOUT_S))
             try:
-                hello = link.recv()
+                hello = link.recv(max_bytes=_HELLO_BYTES)  # (a stranger announcing a GiB gets nothing allocated)
             except (LinkError, wire.WireError) as e:
                 logger.warning("control link from %s refused: %s", peer_address, e)
                 link.close()
