@@ -117,3 +117,34 @@ def test_a_step_reaches_the_host_in_one_copy(monkeypatch):
         assert token == int(logits[i].argmax()) and logprob == float(logprobs[i, token])
         values, indices = torch.topk(logprobs[i], 3)
         assert top == (list(zip(indices.tolist(), values.tolist())) if i in (1, 4) else [])
+
+
+def test_a_sampled_step_builds_its_parameters_on_the_host(monkeypatch):
+    """Temperature, top-k/p, min-p, penalties, biases and the uniform draws are made from Python
+    values on the host and moved by ``sampling.to_device`` (on a GPU from pinned memory, without
+    the host waiting), never as ``torch.tensor(..., device=...)``: on a GPU that is a pageable copy
+    and a sync each (benchmarks/gpu_check.py counts the syncs themselves)."""
+    from server.engine.sampling import to_device
+
+    params = SamplingParams(max_new_tokens=4, do_sample=True, temperature=0.8, top_k=5, top_p=0.9, min_p=0.02,
+                            typical_p=0.95, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.2,
+                            logit_bias={3: 2.0}, seed=11)
+    rows = [Row(params if i % 2 else SamplingParams(max_new_tokens=4), [1, 2, 3, 2], 2) for i in range(4)]
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(5))
+    expected = BatchSampler().sample(logits.clone(), rows)
+    made_on_a_device = []
+    tensor = torch.tensor
+
+    def spy(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            made_on_a_device.append(kwargs["device"])
+        return tensor(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", spy)
+    out = BatchSampler().sample(logits.clone(), rows)
+    monkeypatch.undo()
+    assert not made_on_a_device and out == expected
+    host = torch.tensor([1, 2])
+    assert to_device(host, torch.device("cpu")) is host  # nothing copied on the host
+    moved = to_device([0.5, 1.5], torch.device("meta"), torch.float64)  # another device: moved, dtype kept
+    assert moved.device.type == "meta" and moved.dtype == torch.float64 and moved.shape == (2,)

@@ -139,6 +139,20 @@ class RowMasks:
                         self.allowed_MV.index_select(0, at[:1]))
 
 
+def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``values`` (a list, a tuple, or a CPU tensor) on ``device``. Built on the host; on a GPU
+    copied from pinned memory without the host waiting. A tensor made from a Python list straight
+    on a GPU is a copy from pageable memory, which CUDA makes the host wait for (the stream's work
+    so far included): a sync per call, several per step with sampled rows, where the step's one
+    copy of its tokens back should be its only one (``benchmarks/gpu_check.py`` counts them)."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 class BatchSampler:
     """A rank's sampler: the next token of every row of a step at once, transformers' processors
     applied row-wise in ``generate``'s order. A seeded row draws from ``token_seed(seed, n)`` for its
@@ -169,9 +183,9 @@ class BatchSampler:
         tokens_N = torch.argmax(scores_NV, dim=-1)
         sampled = [i for i, row in enumerate(rows) if row.params.samples]
         if sampled:
-            index = torch.tensor(sampled, device=logits_NV.device)
+            index = to_device(sampled, logits_NV.device)
             probs_MV = torch.softmax(scores_NV.index_select(0, index), dim=-1)
-            uniform_M = torch.tensor([self._uniform(rows[i]) for i in sampled], device=logits_NV.device)
+            uniform_M = to_device([self._uniform(rows[i]) for i in sampled], logits_NV.device)
             cdf_MV = torch.cumsum(probs_MV, dim=-1)
             drawn_M = torch.searchsorted(cdf_MV, (uniform_M * cdf_MV[:, -1]).unsqueeze(1), right=True).squeeze(1)
             drawn_M = drawn_M.clamp_(max=probs_MV.shape[1] - 1)
@@ -214,7 +228,7 @@ class BatchSampler:
         device = scores.device
 
         def column(values, fill):
-            return torch.tensor([fill if v is None else v for v in values], dtype=scores.dtype, device=device)
+            return to_device([fill if v is None else v for v in values], device, scores.dtype)
 
         penalised = [i for i, r in enumerate(rows) if r.params.repetition_penalty not in (None, 1.0)]
         if penalised:
@@ -222,8 +236,8 @@ class BatchSampler:
             ids = torch.full((len(penalised), width), vocab, dtype=torch.long)  # vocab: a padding column
             for j, i in enumerate(penalised):
                 ids[j, : len(rows[i].tokens)] = torch.tensor(rows[i].tokens).clamp_(max=vocab)
-            ids = ids.to(device)
-            index = torch.tensor(penalised, device=device)
+            ids = to_device(ids, device)
+            index = to_device(penalised, device)
             sub = torch.nn.functional.pad(scores.index_select(0, index), (0, 1))
             penalty = column([rows[i].params.repetition_penalty for i in penalised], 1.0)[:, None]
             picked = sub.gather(1, ids)
@@ -233,12 +247,12 @@ class BatchSampler:
         biased = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items() if t < vocab]
         if biased:
             rows_i, cols, bias = zip(*biased)
-            scores = scores.index_put((torch.tensor(rows_i, device=device), torch.tensor(cols, device=device)),
-                                      torch.tensor(bias, dtype=scores.dtype, device=device), accumulate=True)
+            scores = scores.index_put((to_device(rows_i, device), to_device(cols, device)),
+                                      to_device(bias, device, scores.dtype), accumulate=True)
         warped = [i for i, r in enumerate(rows) if r.params.samples]
         if not warped:
             return scores
-        index = torch.tensor(warped, device=device)
+        index = to_device(warped, device)
         params = [rows[i].params for i in warped]
         sub = scores.index_select(0, index)
         temperature = column([p.temperature if p.temperature not in (None, 1.0) else None for p in params], 1.0)
@@ -246,7 +260,7 @@ class BatchSampler:
         inf = float("-inf")
         top_k = [p.top_k if p.top_k and p.top_k > 0 else None for p in params]
         if any(k is not None for k in top_k):
-            k = torch.tensor([min(k or vocab, vocab) for k in top_k], device=device)
+            k = to_device([min(k or vocab, vocab) for k in top_k], device)
             kth = torch.sort(sub, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
             sub = sub.masked_fill(sub < kth, inf)
         top_p = [p.top_p if p.top_p is not None and p.top_p < 1.0 else None for p in params]
@@ -290,11 +304,9 @@ def _penalize_generated(scores: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         if generated:
             ids = torch.tensor(generated).clamp_(max=vocab)
             counts[j].index_add_(0, ids, torch.ones(len(generated), dtype=scores.dtype))
-    counts = counts[:, :vocab].to(device)
-    frequency = torch.tensor([rows[i].params.frequency_penalty or 0.0 for i in penalised], dtype=scores.dtype,
-                             device=device)[:, None]
-    presence = torch.tensor([rows[i].params.presence_penalty or 0.0 for i in penalised], dtype=scores.dtype,
-                            device=device)[:, None]
-    index = torch.tensor(penalised, device=device)
+    counts = to_device(counts[:, :vocab], device)
+    frequency = to_device([rows[i].params.frequency_penalty or 0.0 for i in penalised], device, scores.dtype)[:, None]
+    presence = to_device([rows[i].params.presence_penalty or 0.0 for i in penalised], device, scores.dtype)[:, None]
+    index = to_device(penalised, device)
     sub = scores.index_select(0, index) - frequency * counts - presence * (counts > 0).to(scores.dtype)
     return scores.index_copy(0, index, sub)
