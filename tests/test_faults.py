@@ -98,8 +98,11 @@ def test_abandoned_requests_are_freed(model_dir, tmp_path):
         start = time.monotonic()
         r = server.client.post("/generate", json={"inputs": "fresh", "parameters": {"max_new_tokens": 4}})
         assert r.status_code == 200 and time.monotonic() - start < 5, server.log_tail()
-        metrics = server.client.get("/metrics").text
-        assert "hsdp_running_sequences 0.0" in metrics
+        # A sequence leaves its rank at its group's next step, not with its last token: the
+        # fresh request's own, or an abandoned one whose disconnect came last, may still count
+        # for that long (once seen in CI, on a loaded host). A leak never reaches 0.
+        wait_until(lambda: "hsdp_running_sequences 0.0" in server.client.get("/metrics").text, 10,
+                   "every abandoned sequence freed")
     finally:
         server.stop()
 
