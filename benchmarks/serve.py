@@ -15,8 +15,11 @@ float32), one after the other, on this machine:
                  $HSDP_BENCH_VLLM), where installed; ../shared/PEERS.md says how
   hsdp           hsdp-serve on 2 CPU ranks, its defaults: every unit resident in one shared copy
                  for the host (--resident-units auto), nothing gathered after startup
-  hsdp-compiled  hsdp with --compile decode: decode steps of up to 16 sequences a rank through
-                 torch.compile'd graphs, compiled at startup (in its ready_s)
+  hsdp-compiled  hsdp with --compile decode: decode steps through torch.compile'd graphs
+                 (on CPU its default sizes 1,2+: one sequence, and every larger batch in one
+                 graph of symbolic batch), compiled at startup (in its ready_s)
+  hsdp-compiled-static  --compile decode --compile-batch-sizes 1,2,4,8,16: a graph per size,
+                 steps padded to them, none past 16 (the GPU default's shape; CPU's until 1,2+)
   hsdp-sharded   --resident-units 0: every unit gathered every step, prefetch depth 2,
                  all-gathers through shared memory (the default before shared residency)
   hsdp-gloo      --resident-units 0 --all-gather group: all-gathers over gloo (TCP on loopback)
@@ -62,8 +65,8 @@ import httpx
 from benchmarks.models import bench_checkpoint, compute_dtype, parameter_count
 from tests.server_process import REPO, free_port
 
-SERVERS = ("transformers", "vllm", "llama.cpp", "hsdp", "hsdp-compiled", "hsdp-sharded", "hsdp-gloo", "hsdp-resident",
-           "hsdp-1rank", "hsdp-replicas", "hsdp-plain-linears")
+SERVERS = ("transformers", "vllm", "llama.cpp", "hsdp", "hsdp-compiled", "hsdp-compiled-static", "hsdp-sharded",
+           "hsdp-gloo", "hsdp-resident", "hsdp-1rank", "hsdp-replicas", "hsdp-plain-linears")
 PEERS = ("transformers", "vllm", "llama.cpp", "hsdp-1rank")
 """The servers each hsdp-serve variant is reported as a ratio to, where they ran."""
 VLLM = os.environ.get("HSDP_BENCH_VLLM", os.path.expanduser("~/.vllm-venv/bin/vllm"))
@@ -174,7 +177,9 @@ def build_server(name: str, model_dir: str, log_dir: str, max_running: int, dtyp
     argv = [sys.executable, "-m", "server", "--model", model_dir, "--nproc-per-node", ranks, "--device", "cpu",
             "--dtype", dtype, "--port", str(port), "--max-concurrent-requests", str(max_running),
             "--log-level", "warning", "--served-model-name", model_dir]
-    argv += {"hsdp": [], "hsdp-compiled": ["--compile", "decode"], "hsdp-sharded": ["--resident-units", "0"],
+    argv += {"hsdp": [], "hsdp-compiled": ["--compile", "decode"],
+             "hsdp-compiled-static": ["--compile", "decode", "--compile-batch-sizes", "1,2,4,8,16"],
+             "hsdp-sharded": ["--resident-units", "0"],
              "hsdp-gloo": ["--resident-units", "0", "--all-gather", "group"],
              "hsdp-resident": ["--resident-units", "all", "--all-gather", "group"],
              "hsdp-1rank": [], "hsdp-replicas": ["--replicate-size", "2", "--shard-size", "1"],

@@ -194,9 +194,11 @@ def rank_body(rank: int, world: int, model_dir: str, batches: list[int], context
                 pool = enable_shared_memory_all_gather(model, slots=slots_for_depth(2))
                 assert pool is not None, "shared memory all-gather not available"
             if mode == "compiled" and compiled is None:
+                from server.config import CompileSizes
                 from server.engine.compiled import CompiledDecode
 
-                compiled = CompiledDecode(model, tuple(batches))  # each batch its own bucket: nothing padded
+                # each batch its own static graph: nothing padded
+                compiled = CompiledDecode(model, CompileSizes(tuple(sorted(set(batches)))))
             results = out["modes"].setdefault(mode, {"resident_extra_bytes": residency.extra_bytes})
             for b in batches:
                 timing = time_decode(model, rank, b, context, steps, vocab,

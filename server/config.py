@@ -80,18 +80,48 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
-def parse_batch_sizes(text: str) -> tuple[int, ...] | None:
-    """argparse type for ``--compile-batch-sizes``: positive integers, comma-separated (1,2,4,8), or
-    ``auto`` (None: :data:`COMPILE_BATCH_SIZES` for the ranks' device)."""
+@dataclass(frozen=True)
+class CompileSizes:
+    """``--compile-batch-sizes``: the decode graphs a rank compiles. ``static``: a graph per size,
+    a step padded to the smallest that holds it (what a CUDA graph needs); ``open_from`` (spelt
+    ``N+``, the largest size): one graph whose batch dimension stays symbolic, for every step of at
+    least N sequences (or padded up to N), none padded further. Spelt back as parsed
+    (``1,2+``)."""
+
+    static: tuple[int, ...]
+    open_from: int | None = None
+
+    def __post_init__(self):
+        static, open_from = self.static, self.open_from
+        if (not static and open_from is None) or list(static) != sorted(set(static)) or (static and static[0] < 1) or (
+                open_from is not None and (open_from < 2 or (static and static[-1] >= open_from))):
+            raise ValueError(f"expected positive batch sizes such as 1,2,4,8,16, the largest optionally N+ with "
+                             f"N >= 2 (1,2+); got {self}")
+
+    def __str__(self) -> str:
+        return ",".join([*map(str, self.static), *([f"{self.open_from}+"] if self.open_from else [])])
+
+    @property
+    def graphs(self) -> int:
+        return len(self.static) + (self.open_from is not None)
+
+
+def parse_batch_sizes(text: str) -> CompileSizes | None:
+    """argparse type for ``--compile-batch-sizes``: positive integers, comma-separated (1,2,4,8),
+    the largest optionally ``N+`` (N >= 2: a batch of one cannot stay symbolic), or ``auto`` (None:
+    :data:`COMPILE_BATCH_SIZES` for the ranks' device)."""
     if text.strip() == "auto":
         return None
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    open_from = None
+    if parts and parts[-1].endswith("+"):
+        open_from = parts.pop()[:-1]
     try:
-        sizes = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+        return CompileSizes(tuple(sorted({int(part) for part in parts})),
+                            int(open_from) if open_from is not None else None)
     except ValueError:
-        sizes = ()
-    if not sizes or sizes[0] < 1:
-        raise argparse.ArgumentTypeError(f"expected positive batch sizes such as 1,2,4,8,16; got {text!r}")
-    return sizes
+        raise argparse.ArgumentTypeError(f"expected positive batch sizes such as 1,2,4,8,16, the largest optionally "
+                                         f"N+ with N >= 2 (1,2+); got {text!r}") from None
 
 
 PREFILL_TOKENS = {"cpu": 512, "cuda": 8192}
@@ -99,10 +129,14 @@ PREFILL_TOKENS = {"cpu": 512, "cuda": 8192}
 arithmetic rate (512 tokens of an 80M model: a step of a few hundred ms beside the decoding
 sequences); a GPU runs a step of thousands of tokens in milliseconds, and a cap of 512 would only
 multiply the steps a long prompt takes (vLLM's chunked prefill on GPUs: 8192 a step)."""
-COMPILE_BATCH_SIZES = {"cpu": (1, 2, 4, 8, 16), "cuda": (1, 2, 4, 8, 16, 32, 64, 128)}
-"""``--compile-batch-sizes auto`` per device: a graph each, compiled at startup. On CPU a step of
-more than 16 sequences a rank is arithmetic, and each graph costs half a minute of startup on 2
-cores; a GPU's step stays host-bound far past 16 (the gpu_check's loads: 32 and 128 sequences)."""
+COMPILE_BATCH_SIZES = {"cpu": CompileSizes((1,), open_from=2), "cuda": CompileSizes((1, 2, 4, 8, 16, 32, 64, 128))}
+"""``--compile-batch-sizes auto`` per device, the graphs compiled at startup. On CPU two: one
+sequence, and every larger batch in one graph of symbolic batch (inductor's CPU loops lose
+nothing to it; each graph costs dynamo's trace of the whole model, 5-8 s at 24 layers with
+inductor's cache filled, so five static sizes took twice as long to be ready, and left steps of
+more than 16 sequences eager). On GPUs a graph per size, padded to it: the static shapes CUDA
+graphs need; a GPU's step stays host-bound far past 16 (the gpu_check's loads: 32 and 128
+sequences)."""
 
 
 def parse_size(text: str) -> int | None:
@@ -289,14 +323,14 @@ class ServeConfig:
                              choices=ALL_GATHERS)
     compile: str = option(
         "none", "decode: decode-only steps run one torch.compile'd forward (inductor) instead of eager module calls "
-        "(needs every unit resident; compiled at startup while /ready says compiling, which on 2 CPU cores takes "
-        "about 25 s a batch size for 24 layers: experimental); none: eager", "speed", choices=COMPILE_MODES)
-    compile_batch_sizes: tuple[int, ...] | None = option(
+        "(needs every unit resident; compiled at startup while /ready says compiling, which on 2 CPU cores for 24 "
+        "layers takes about 90 s the first time and 15 s with inductor's cache filled: experimental); none: eager", "speed", choices=COMPILE_MODES)
+    compile_batch_sizes: CompileSizes | None = option(
         None, "--compile decode: the batch sizes a rank's decode step is padded to, a graph each, compiled "
-        "at startup; larger decode steps run eagerly; auto: "
-        f"{','.join(map(str, COMPILE_BATCH_SIZES['cpu']))} on CPU ranks, "
-        f"{','.join(map(str, COMPILE_BATCH_SIZES['cuda']))} on GPUs", "speed", type=parse_batch_sizes,
-        metavar="N,N,...|auto", none_means="auto")
+        "at startup; the largest spelt N+: one graph of symbolic batch for every step of N or more sequences; "
+        "larger decode steps than the largest size run eagerly; auto: "
+        f"{COMPILE_BATCH_SIZES['cpu']} on CPU ranks, {COMPILE_BATCH_SIZES['cuda']} on GPUs", "speed",
+        type=parse_batch_sizes, metavar="N,N,...[,N+]|auto", none_means="auto")
     packed_linears: str = option(
         "auto", "linear layers on oneDNN's prepacked weights (CPU: torch's plain bf16 linear reads a weight at about "
         "half their speed; one more private copy of the linears' weights per rank); auto: bf16 models with every unit "
@@ -389,7 +423,7 @@ class ServeConfig:
         """``--max-batch-prefill-tokens`` on ranks of ``device_type`` (``auto`` resolved)."""
         return self.max_batch_prefill_tokens or PREFILL_TOKENS.get(device_type, PREFILL_TOKENS["cuda"])
 
-    def compile_batch_sizes_for(self, device_type: str) -> tuple[int, ...]:
+    def compile_batch_sizes_for(self, device_type: str) -> CompileSizes:
         """``--compile-batch-sizes`` on ranks of ``device_type`` (``auto`` resolved)."""
         return self.compile_batch_sizes or COMPILE_BATCH_SIZES.get(device_type, COMPILE_BATCH_SIZES["cuda"])
 

@@ -252,7 +252,7 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
             state.set_phase("compiling")
         logger.info("compiling the decode forward (--compile decode)")
         logger.info("decode forward compiled in %.1f s", engine.compile_decode(
-            batch_sizes=cfg.compile_batch_sizes_for(device.type)))
+            sizes=cfg.compile_batch_sizes_for(device.type)))
     release_freed_memory()
     weights = shared_weights_of(loaded.model)
     # shards that are views of the host's shared copy are counted once, in its share

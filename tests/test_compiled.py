@@ -74,8 +74,12 @@ def test_direct_forward_takes_fsdp_hooks_out_and_puts_them_back(tmp_path):
         assert resident["error"] is None and resident["tokens"] == sharded["tokens"] and len(resident["tokens"]) == 4, r
 
 
-BATCH_SIZES = (1, 2, 4)
-"""Fewer graphs than the default's (a compile each); a rank's 3 sequences are padded to 4."""
+def _sizes():
+    """Two static graphs and an open one from 4 (`1,2,4+`): a rank's 3 sequences are padded to 4,
+    its 4 and 5 run in the open graph unpadded, one sequence and two in static ones."""
+    from server.config import CompileSizes
+
+    return CompileSizes((1, 2), open_from=4)
 
 
 def _decode_eager_and_compiled(rank, world_size, paths):
@@ -99,7 +103,7 @@ def _decode_eager_and_compiled(rank, world_size, paths):
             harness.scheduler.eos_token_ids = set()
             graphs = None
             if mode == "compiled":
-                harness.engines[0].compile_decode(batch_sizes=BATCH_SIZES)
+                harness.engines[0].compile_decode(sizes=_sizes())
                 graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             gen = torch.Generator().manual_seed(rank)
             prompts = [torch.randint(3, loaded.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 14, 21, 5)]
@@ -112,8 +116,12 @@ def _decode_eager_and_compiled(rank, world_size, paths):
                 got["compiled_after_warm_up"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
                 got["errors"] = [o["error"] for o in outs]
                 compiled = harness.engines[0].compiled
-                got["compiled_steps"] = compiled.calls - len(WARM_UP_CONTEXTS) * len(BATCH_SIZES)
-                got["padded_rows"] = compiled.padded_rows - sum(b - 1 for b in BATCH_SIZES) * len(WARM_UP_CONTEXTS)
+                warm_up_calls = len(WARM_UP_CONTEXTS) * _sizes().graphs
+                got["compiled_steps"] = compiled.calls - warm_up_calls
+                got["padded_rows"] = compiled.padded_rows - compiled.warm_up_padded_rows
+                got["batches"] = sorted(compiled.batches)
+                got["graphs_compiled"] = compiled.graphs_compiled
+                got["every_step_fit_a_graph"] = compiled.skip_guards  # off after a step that fit none
                 got["steps"] = harness.steps
                 got["fallback"] = _a_call_no_graph_fits(harness.engines[0], compiled)
                 last = harness.submit(prompts[3], 3)  # the engine's compiled steps put the graphs' count back
@@ -149,7 +157,7 @@ def test_compiled_decode_equals_eager_token_for_token(tmp_path):
     one family; a compile costs a minute on CI's cores, so one family here, the plain path in
     benchmarks/step.py's compiled mode), sharded over 2 ranks, one shared resident copy (the CPU
     default): greedy tokens equal to eager's, most steps compiled (some padded to their bucket),
-    nothing compiled after the warm-up."""
+    nothing compiled after the warm-up: the open graph (`N+`) served several batches as one."""
     from tests.test_families import _write
 
     paths = {family: _write(family, tmp_path / family) for family in ("gemma2",)}
@@ -159,7 +167,9 @@ def test_compiled_decode_equals_eager_token_for_token(tmp_path):
             assert got["compiled"] == got["eager"], family
             assert got["compiled_after_warm_up"] == 0, (family, got)
             assert got["compiled_steps"] > got["steps"] // 2, (family, got)
-            assert got["padded_rows"] > 0, (family, got)  # a batch of 3 ran in the bucket of 4
+            assert got["padded_rows"] > 0, (family, got)  # a batch of 3 ran in the open graph at 4
+            assert {1, 2, 4, 5} <= set(got["batches"]), (family, got)
+            assert got["graphs_compiled"] == 3 and got["every_step_fit_a_graph"], (family, got)  # 4, 5: one graph
             assert got["fallback"] == {"ran": True, "skip_guards_after": False}, (family, got)
             assert got["threads_put_back"], (family, got)
 
@@ -168,12 +178,16 @@ def test_a_decode_step_is_padded_to_its_bucket_or_left_to_eager():
     """``CompiledDecode.pad``: a step's rows padded to the smallest bucket that holds them (padding
     rows at position 0 in the scratch block, the kept rows filled to the bucket's size); none
     where no bucket holds the step, or where its longest context is 1 (compile took it for at
-    least 2). Nothing is compiled here (a plain module: no FSDP2 hooks to take out)."""
-    from server.engine.compiled import CompileUnavailable, CompiledDecode
+    least 2); with an open size, every larger step at its own batch. Nothing is compiled here (a
+    plain module: no FSDP2 hooks to take out)."""
+    from server.config import CompileSizes, parse_batch_sizes
+    from server.engine.compiled import CompiledDecode
 
-    compiled = CompiledDecode(torch.nn.Linear(1, 1), (4, 1, 2))
-    assert compiled.batch_sizes == (1, 2, 4)
+    compiled = CompiledDecode(torch.nn.Linear(1, 1), parse_batch_sizes("4,1,2"))
+    assert compiled.sizes == CompileSizes((1, 2, 4)) and str(compiled.sizes) == "1,2,4"
     assert [compiled.bucket(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
+    open_sizes = CompiledDecode(torch.nn.Linear(1, 1), parse_batch_sizes("1,4+"))
+    assert [open_sizes.bucket(n) for n in (1, 2, 3, 4, 5, 300)] == [1, 4, 4, 4, 5, 300]
     ids, positions, items, keep = [7, 8, 9], [4, 10, 2], [(4, 1, [3]), (10, 1, [5]), (2, 1, [6])], [0, 1, 2]
     assert compiled.pad(ids, positions, items, keep, scratch_block=99)
     assert (ids, positions, keep) == ([7, 8, 9, 0], [4, 10, 2, 0], [0, 1, 2, 3])
@@ -182,8 +196,9 @@ def test_a_decode_step_is_padded_to_its_bucket_or_left_to_eager():
     assert not compiled.pad([1] * 5, [4] * 5, five, [0, 1, 2, 3, 4], scratch_block=99)
     alone = ([1], [0], [(0, 1, [3])], [0])  # a one-token prompt's first step: context 1
     assert not compiled.pad(*alone, scratch_block=99) and alone == ([1], [0], [(0, 1, [3])], [0])
-    with pytest.raises(CompileUnavailable, match="compile-batch-sizes"):
-        CompiledDecode(torch.nn.Linear(1, 1), (0, 2))
+    for static, open_from in (((0, 2), None), ((), 1), ((4,), 4), ((2, 1), None), ((), None)):
+        with pytest.raises(ValueError, match="positive batch sizes"):
+            CompileSizes(static, open_from)
 
 
 def test_compile_decode_with_nothing_resident_is_refused_before_launch(tmp_path):

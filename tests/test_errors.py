@@ -234,20 +234,26 @@ def test_prefill_budget_and_compile_sizes_default_per_device():
     """``auto`` (the default) resolves per device: a CPU rank's prefill budget and compiled batch
     sizes fit 2 cores, a GPU's fit a GPU; a value given as a flag or a variable is kept as given on
     either; a nonsense value is refused."""
-    from server.config import COMPILE_BATCH_SIZES, PREFILL_TOKENS, parse_serve_config
+    from server.config import COMPILE_BATCH_SIZES, PREFILL_TOKENS, CompileSizes, parse_serve_config
 
     auto = parse_serve_config([], environ={})
     assert auto.max_batch_prefill_tokens is None and auto.compile_batch_sizes is None
     assert auto.prefill_tokens_for("cpu") == 512 == PREFILL_TOKENS["cpu"]
     assert auto.prefill_tokens_for("cuda") == 8192 == PREFILL_TOKENS["cuda"]
-    assert auto.compile_batch_sizes_for("cpu") == (1, 2, 4, 8, 16) == COMPILE_BATCH_SIZES["cpu"]
-    assert auto.compile_batch_sizes_for("cuda")[-1] == 128
+    assert auto.compile_batch_sizes_for("cpu") == CompileSizes((1,), open_from=2) == COMPILE_BATCH_SIZES["cpu"]
+    assert str(auto.compile_batch_sizes_for("cpu")) == "1,2+"
+    cuda = auto.compile_batch_sizes_for("cuda")
+    assert cuda.static[-1] == 128 and cuda.open_from is None  # static: what CUDA graphs need
     given = parse_serve_config(["--max-batch-prefill-tokens", "64", "--compile-batch-sizes", "4,1"],
                                environ={"HSDP_MAX_BATCH_PREFILL_TOKENS": "32"})
     for device in ("cpu", "cuda"):
-        assert given.prefill_tokens_for(device) == 64 and given.compile_batch_sizes_for(device) == (1, 4)
+        assert given.prefill_tokens_for(device) == 64 and given.compile_batch_sizes_for(device) == CompileSizes((1, 4))
+    assert parse_serve_config([], environ={"HSDP_COMPILE_BATCH_SIZES": "1, 2, 8+"}).compile_batch_sizes == \
+        CompileSizes((1, 2), open_from=8)
     assert parse_serve_config([], environ={"HSDP_MAX_BATCH_PREFILL_TOKENS": "auto"}).max_batch_prefill_tokens is None
     assert parse_serve_config(["--compile-batch-sizes", "auto"], environ={}).compile_batch_sizes is None
-    for argv in (["--max-batch-prefill-tokens", "0"], ["--compile-batch-sizes", "0,2"]):
+    for argv in (["--max-batch-prefill-tokens", "0"], ["--compile-batch-sizes", "0,2"],
+                 ["--compile-batch-sizes", "1+"], ["--compile-batch-sizes", "8,4+"], ["--compile-batch-sizes", "2+,4"],
+                 ["--compile-batch-sizes", "x+"]):
         with pytest.raises(SystemExit):
             parse_serve_config(argv, environ={})

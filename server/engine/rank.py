@@ -257,17 +257,16 @@ class RankEngine:
             results.append(TokenResult(seq.seq_id, token, logprob, top, stop=stop))
         return results
 
-    def compile_decode(self, compiled=None, batch_sizes=None) -> float:
-        """``--compile decode``: decode-only forwards of up to the largest of ``batch_sizes``
-        sequences from now on go through a compiled forward (:mod:`server.engine.compiled`;
+    def compile_decode(self, compiled=None, sizes=None) -> float:
+        """``--compile decode``: decode-only forwards that ``sizes`` (a CompileSizes; by default the
+        device's) has a graph for from now on go through a compiled forward (:mod:`server.engine.compiled`;
         ``compiled``, a CompiledDecode of this engine's model that an earlier engine warmed up, or a
         new one), warmed up in this engine's KV pool now; returns the seconds it took. Raises
         CompileUnavailable with the reason where it cannot be."""
         from server.config import ServeConfig
         from server.engine.compiled import CompiledDecode
 
-        compiled = compiled or CompiledDecode(self.model,
-                                              batch_sizes or ServeConfig().compile_batch_sizes_for(self.device.type))
+        compiled = compiled or CompiledDecode(self.model, sizes or ServeConfig().compile_batch_sizes_for(self.device.type))
         seconds = compiled.warm_up(self.cache, self.block_size, self.device)
         self.compiled = compiled
         return seconds
