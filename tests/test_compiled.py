@@ -188,6 +188,8 @@ def test_a_decode_step_is_padded_to_its_bucket_or_left_to_eager():
     assert [compiled.bucket(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
     open_sizes = CompiledDecode(torch.nn.Linear(1, 1), parse_batch_sizes("1,4+"))
     assert [open_sizes.bucket(n) for n in (1, 2, 3, 4, 5, 300)] == [1, 4, 4, 4, 5, 300]
+    one_graph = CompiledDecode(torch.nn.Linear(1, 1), parse_batch_sizes("2+"))  # a sequence alone padded to two
+    assert [one_graph.bucket(n) for n in (1, 2, 3)] == [2, 2, 3] and one_graph.sizes.graphs == 1
     ids, positions, items, keep = [7, 8, 9], [4, 10, 2], [(4, 1, [3]), (10, 1, [5]), (2, 1, [6])], [0, 1, 2]
     assert compiled.pad(ids, positions, items, keep, scratch_block=99)
     assert (ids, positions, keep) == ([7, 8, 9, 0], [4, 10, 2, 0], [0, 1, 2, 3])
