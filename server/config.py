@@ -80,6 +80,9 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
+COMPILE_SIZES_EXPECTED = "expected positive batch sizes such as 1,2,4,8,16, the largest optionally N+ with N >= 2 (1,2+)"
+
+
 @dataclass(frozen=True)
 class CompileSizes:
     """``--compile-batch-sizes``: the decode graphs a rank compiles. ``static``: a graph per size,
@@ -95,8 +98,7 @@ class CompileSizes:
         static, open_from = self.static, self.open_from
         if (not static and open_from is None) or list(static) != sorted(set(static)) or (static and static[0] < 1) or (
                 open_from is not None and (open_from < 2 or (static and static[-1] >= open_from))):
-            raise ValueError(f"expected positive batch sizes such as 1,2,4,8,16, the largest optionally N+ with "
-                             f"N >= 2 (1,2+); got {self}")
+            raise ValueError(f"{COMPILE_SIZES_EXPECTED}; got {self}")
 
     def __str__(self) -> str:
         return ",".join([*map(str, self.static), *([f"{self.open_from}+"] if self.open_from else [])])
@@ -120,8 +122,7 @@ def parse_batch_sizes(text: str) -> CompileSizes | None:
         return CompileSizes(tuple(sorted({int(part) for part in parts})),
                             int(open_from) if open_from is not None else None)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected positive batch sizes such as 1,2,4,8,16, the largest optionally "
-                                         f"N+ with N >= 2 (1,2+); got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"{COMPILE_SIZES_EXPECTED}; got {text!r}") from None
 
 
 PREFILL_TOKENS = {"cpu": 512, "cuda": 8192}
