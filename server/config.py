@@ -62,6 +62,7 @@ def read_secret_file(path: str, what: str) -> bytes:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALL_GATHERS = ("auto", "shm", "group")
 COMPILE_MODES = ("none", "decode")  # server.engine.compiled
+COMPILE_REGIONS = ("layer", "model")  # server.engine.compiled
 PACKED_LINEAR_MODES = ("auto", "on", "off")  # server.engine.linears
 QUANTIZE_ON_LOAD = ("none", "int8", "fp8")  # loaders.quantization.on_load
 TOOL_CALL_PARSERS = ("hermes",)  # server.api.openai.tools.FORMATS, checked there
@@ -323,9 +324,16 @@ class ServeConfig:
                              "on every rank; auto: shm where every rank maps the same /dev/shm", "speed",
                              choices=ALL_GATHERS)
     compile: str = option(
-        "none", "decode: decode-only steps run one torch.compile'd forward (inductor) instead of eager module calls "
-        "(needs every unit resident; compiled at startup while /ready says compiling, which on 2 CPU cores for 24 "
-        "layers takes about 90 s the first time and 15 s with inductor's cache filled: experimental); none: eager", "speed", choices=COMPILE_MODES)
+        "none", "decode: decode-only steps run through torch.compile'd code (inductor) instead of eager module calls "
+        "(needs every unit resident; compiled at startup while /ready says compiling: see --compile-region); "
+        "none: eager", "speed", choices=COMPILE_MODES)
+    compile_region: str = option(
+        "layer", "--compile decode: what one graph covers. layer: a decoder layer, one graph that every layer of a kind "
+        "shares (on 2 CPU cores a start takes about 15-20 s more than eager's the first time, 3-5 s with inductor's "
+        "cache filled); model: the whole forward, which saves a step the calls between the layers' graphs (about "
+        "0.1 ms a layer: the tiny 24-layer Llama's token 5.5 ms against 8.6 ms, SmolLM2's 45 against 49 ms) but "
+        "traces and compiles every layer (80-100 s more the first time, 16 s cached)", "speed",
+        choices=COMPILE_REGIONS)
     compile_batch_sizes: CompileSizes | None = option(
         None, "--compile decode: the batch sizes a rank's decode step is padded to, a graph each, compiled "
         "at startup; the largest spelt N+: one graph of symbolic batch for every step of N or more sequences; "

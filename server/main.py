@@ -145,6 +145,10 @@ def serve_rank(cfg: ServeConfig, source) -> None:
     group = _Group()
     if rank == 0:
         state, http = _start_listening(cfg, source, mesh_shape)
+    if cfg.compile == "decode":
+        from server.engine.compiled import import_compiler_in_background
+
+        import_compiler_in_background(device.type)
     try:
         loaded = _load(cfg, source, hsdp, device, state, rank)
         engine, per_rank = _shard_for_serving(loaded, cfg, device, mesh_shape, group, state)
@@ -222,6 +226,7 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
     ``compiling`` meanwhile); every rank, collectively. Returns this rank's engine and every rank's
     ``(bytes read, resident bytes, KV blocks)``."""
     from server.engine import KVGeometry, RankEngine, size_kv_pool
+    from server.engine.cores import compiled_thread_counts, cores_follow_work
     from server.group.memory import MemoryReport, release_freed_memory, tensor_bytes
     from shard_engine import enable_forward_prefetch, enable_shared_memory_all_gather, shared_weights_of, \
         slots_for_depth, wire
@@ -251,8 +256,12 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
         if state is not None:
             state.set_phase("compiling")
         logger.info("compiling the decode forward (--compile decode)")
+        # each rank its own step group (every unit resident): the thread counts its plans may carry
+        follows = cores_follow_work(device.type, _weight_bytes(loaded.model), dist.get_world_size())
+        counts = compiled_thread_counts(follows, torch.get_num_threads(),
+                                        int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
         logger.info("decode forward compiled in %.1f s", engine.compile_decode(
-            sizes=cfg.compile_batch_sizes_for(device.type)))
+            sizes=cfg.compile_batch_sizes_for(device.type), region=cfg.compile_region, thread_counts=counts))
     release_freed_memory()
     weights = shared_weights_of(loaded.model)
     # shards that are views of the host's shared copy are counted once, in its share
@@ -291,13 +300,13 @@ def _build_router(cfg: ServeConfig, loaded, groups, per_rank, state, device):
     import torch
 
     from server.engine import BlockPool, Scheduler, StepGroupRouter
-    from server.engine.cores import MIN_WEIGHT_BYTES, HostCores
+    from server.engine.cores import HostCores, cores_follow_work
 
     limits = state.limits = _resolve_limits(cfg, loaded.config)
     share = -(-limits.max_concurrent_requests // len(groups))  # each group's running bound
     cores = None
     # a busy rank takes its host's idle cores (server.engine.cores), where a step streams weights
-    if device.type == "cpu" and len(groups) > 1 and _weight_bytes(loaded.model) >= MIN_WEIGHT_BYTES:
+    if cores_follow_work(device.type, _weight_bytes(loaded.model), len(groups)):
         world = sum(len(ranks) for ranks in groups)
         cores = HostCores(int(os.environ.get("LOCAL_WORLD_SIZE", world)), torch.get_num_threads(), world)
     schedulers = [

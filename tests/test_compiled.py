@@ -12,6 +12,7 @@ import torch
 
 from tests.dist import run_ranks, values
 from tests.server_process import REPO
+from tests.test_families import SERVED as SERVED_FAMILIES
 
 
 def _hooks_out_and_back(rank, world_size, path):
@@ -82,7 +83,7 @@ def _sizes():
     return CompileSizes((1, 2), open_from=4)
 
 
-def _decode_eager_and_compiled(rank, world_size, paths):
+def _decode_eager_and_compiled(rank, world_size, paths, region):
     """Each model through the engine twice, eagerly and compiled: four sequences of different
     lengths (the batch shrinks to one), a fifth arriving mid-decode (steps with a prompt chunk
     run eagerly between compiled ones)."""
@@ -103,7 +104,9 @@ def _decode_eager_and_compiled(rank, world_size, paths):
             harness.scheduler.eos_token_ids = set()
             graphs = None
             if mode == "compiled":
-                harness.engines[0].compile_decode(sizes=_sizes())
+                # the layers' graphs at a second thread count too (the host's, where cores follow the work)
+                own = torch.get_num_threads()
+                harness.engines[0].compile_decode(sizes=_sizes(), region=region, thread_counts=(own, own + 1))
                 graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             gen = torch.Generator().manual_seed(rank)
             prompts = [torch.randint(3, loaded.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 14, 21, 5)]
@@ -123,6 +126,7 @@ def _decode_eager_and_compiled(rank, world_size, paths):
                 got["graphs_compiled"] = compiled.graphs_compiled
                 got["every_step_fit_a_graph"] = compiled.skip_guards  # off after a step that fit none
                 got["steps"] = harness.steps
+                got["at_plan_threads"] = _a_call_at(harness.engines[0], compiled, own + 1)
                 got["fallback"] = _a_call_no_graph_fits(harness.engines[0], compiled)
                 last = harness.submit(prompts[3], 3)  # the engine's compiled steps put the graphs' count back
                 harness.run(lambda: last["finish"] is not None or last["error"])
@@ -130,6 +134,34 @@ def _decode_eager_and_compiled(rank, world_size, paths):
         set_resident_units(loaded.model, 0)
         out[family] = got
     return out
+
+
+def _a_call_at(engine, compiled, threads: int) -> dict:
+    """A compiled call whose plan carries ``threads``, entered at it as the engine enters it: the
+    thread counts switched inside, and the graphs compiled, during it."""
+    import torch._dynamo.utils
+
+    from server.engine.attention import PagedLayout
+
+    switches = []
+    real = torch.set_num_threads
+    torch.set_num_threads(compiled.entry_threads(threads))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    layout = PagedLayout.build([(4, 1, [0, 1]), (6, 1, [2, 3])], engine.block_size, engine.device)
+    engine.cache.layout = layout
+    torch.set_num_threads = lambda n: (switches.append(n), real(n))
+    try:
+        with torch.no_grad():
+            compiled.forward(threads=threads, input_ids=torch.ones(1, 2, dtype=torch.long),
+                             position_ids=torch.tensor([[4, 6]]), cache=engine.cache, use_cache=True,
+                             logits_to_keep=torch.tensor([0, 1]), hsdp_paged=layout)
+    finally:
+        torch.set_num_threads = real
+        engine.cache.layout = None
+        real(compiled.threads)
+    return {"entered_at": compiled.entry_threads(threads), "switches": len(switches),
+            "compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
+            "every_step_fit_a_graph": compiled.skip_guards}
 
 
 def _a_call_no_graph_fits(engine, compiled) -> dict:
@@ -152,7 +184,8 @@ def _a_call_no_graph_fits(engine, compiled) -> dict:
     return {"ran": out.logits.shape[1] == 1, "skip_guards_after": compiled.skip_guards}
 
 
-def test_compiled_decode_equals_eager_token_for_token(tmp_path):
+@pytest.mark.parametrize("region", ["layer", "model"])
+def test_compiled_decode_equals_eager_token_for_token(tmp_path, region):
     """Gemma 2 (soft-capping, windows on alternate layers, its own scaling: the most variants of
     one family; a compile costs a minute on CI's cores, so one family here, the plain path in
     benchmarks/step.py's compiled mode), sharded over 2 ranks, one shared resident copy (the CPU
@@ -161,7 +194,10 @@ def test_compiled_decode_equals_eager_token_for_token(tmp_path):
     from tests.test_families import _write
 
     paths = {family: _write(family, tmp_path / family) for family in ("gemma2",)}
-    for by_family in values(run_ranks(_decode_eager_and_compiled, 2, tmp_path, paths, timeout=600)):
+    # a graph per size (1, 2 and the open one from 4), of each kind of layer (Gemma 2: windowed or not)
+    # (layers: at two thread counts)
+    graphs = {"model": 3, "layer": 12}[region]
+    for by_family in values(run_ranks(_decode_eager_and_compiled, 2, tmp_path, paths, region, timeout=600)):
         for family, got in by_family.items():
             assert got["errors"] == [None] * 5, (family, got)
             assert got["compiled"] == got["eager"], family
@@ -169,9 +205,16 @@ def test_compiled_decode_equals_eager_token_for_token(tmp_path):
             assert got["compiled_steps"] > got["steps"] // 2, (family, got)
             assert got["padded_rows"] > 0, (family, got)  # a batch of 3 ran in the open graph at 4
             assert {1, 2, 4, 5} <= set(got["batches"]), (family, got)
-            assert got["graphs_compiled"] == 3 and got["every_step_fit_a_graph"], (family, got)  # 4, 5: one graph
-            assert got["fallback"] == {"ran": True, "skip_guards_after": False}, (family, got)
+            assert got["graphs_compiled"] == graphs and got["every_step_fit_a_graph"], (family, got)  # 4, 5: one
+            # a call at another thread count: the model's graph fits none (guards evaluated from then on);
+            # each layer is entered at its graphs' count, so the layers' fit
+            assert got["fallback"] == {"ran": True, "skip_guards_after": region == "layer"}, (family, got)
             assert got["threads_put_back"], (family, got)
+            # a plan's count the layers were compiled at: entered at it, no switch inside (a switch resizes
+            # OpenMP's pool: two a layer cost 5 ms a step at 30 layers); the model's graph: its own count
+            own = got["at_plan_threads"]["entered_at"] - (region == "layer")
+            assert got["at_plan_threads"] == {"entered_at": own + (region == "layer"), "switches": region == "model",
+                                              "compiled": 0, "every_step_fit_a_graph": True}, (family, got)
 
 
 def test_a_decode_step_is_padded_to_its_bucket_or_left_to_eager():
@@ -183,12 +226,12 @@ def test_a_decode_step_is_padded_to_its_bucket_or_left_to_eager():
     from server.config import CompileSizes, parse_batch_sizes
     from server.engine.compiled import CompiledDecode
 
-    compiled = CompiledDecode(torch.nn.Linear(1, 1), parse_batch_sizes("4,1,2"))
+    compiled = CompiledDecode(torch.nn.Linear(1, 1), parse_batch_sizes("4,1,2"), region="model")
     assert compiled.sizes == CompileSizes((1, 2, 4)) and str(compiled.sizes) == "1,2,4"
     assert [compiled.bucket(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
-    open_sizes = CompiledDecode(torch.nn.Linear(1, 1), parse_batch_sizes("1,4+"))
+    open_sizes = CompiledDecode(torch.nn.Linear(1, 1), parse_batch_sizes("1,4+"), region="model")
     assert [open_sizes.bucket(n) for n in (1, 2, 3, 4, 5, 300)] == [1, 4, 4, 4, 5, 300]
-    one_graph = CompiledDecode(torch.nn.Linear(1, 1), parse_batch_sizes("2+"))  # a sequence alone padded to two
+    one_graph = CompiledDecode(torch.nn.Linear(1, 1), parse_batch_sizes("2+"), region="model")  # a sequence alone padded to two
     assert [one_graph.bucket(n) for n in (1, 2, 3)] == [2, 2, 3] and one_graph.sizes.graphs == 1
     ids, positions, items, keep = [7, 8, 9], [4, 10, 2], [(4, 1, [3]), (10, 1, [5]), (2, 1, [6])], [0, 1, 2]
     assert compiled.pad(ids, positions, items, keep, scratch_block=99)
@@ -201,6 +244,53 @@ def test_a_decode_step_is_padded_to_its_bucket_or_left_to_eager():
     for static, open_from in (((0, 2), None), ((), 1), ((4,), 4), ((2, 1), None), ((), None)):
         with pytest.raises(ValueError, match="positive batch sizes"):
             CompileSizes(static, open_from)
+
+
+def _layer_region_family(family: str) -> dict:
+    """One family's tiny model in process, unsharded: greedy tokens eagerly, then with decode steps
+    through compiled layers (``--compile-region layer``, the CPU default sizes ``1,2+``): three
+    sequences of different lengths (the batch shrinks 3, 2, 1), the graphs compiled at warm-up."""
+    import torch._dynamo.utils
+    from transformers import AutoModelForCausalLM
+
+    from server.config import COMPILE_BATCH_SIZES
+    from tests.test_engine import Harness
+    from tests.test_families import _config
+
+    torch._dynamo.reset()  # each family's graphs alone under the recompile limit
+    torch.manual_seed(0)
+    config = _config(family)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (21, 9, 14)]
+    got = {}
+    for mode in ("eager", "compiled"):
+        harness = Harness(model, blocks=64, block_size=4, prefill=64)
+        harness.scheduler.eos_token_ids = set()
+        if mode == "compiled":
+            harness.engines[0].compile_decode(sizes=COMPILE_BATCH_SIZES["cpu"], region="layer")
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        outs = [harness.submit(p, 4 + 4 * i) for i, p in enumerate(prompts)]
+        harness.run(lambda: all(o["finish"] is not None or o["error"] for o in outs))
+        got[mode] = [o["tokens"] if o["error"] is None else o["error"] for o in outs]
+    compiled = harness.engines[0].compiled
+    got["after_warm_up"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    got["graphs"], got["batches"], got["fit"] = compiled.graphs_compiled, sorted(compiled.batches), compiled.skip_guards
+    return got
+
+
+@pytest.mark.parametrize("family", SERVED_FAMILIES)
+def test_compiled_layers_equal_eager_for_every_family(family):
+    """``--compile-region layer`` (the default) on every family the engine serves: the greedy
+    tokens of compiled decode steps equal eager's (float32), the steps of 3, 2 and 1 sequences ran
+    in the warm-up's graphs (the open one and the one-sequence one) and nothing compiled after
+    it. A layer's graph is shared by the model's layers of its kind: two graphs a kind (one per
+    size), at most two kinds (alternating windows) in these families."""
+    got = _layer_region_family(family)
+    assert got["compiled"] == got["eager"], got
+    assert got["after_warm_up"] == 0 and got["fit"], got
+    assert {1, 2, 3} <= set(got["batches"]), got
+    assert 2 <= got["graphs"] <= 4, got
 
 
 def test_compile_decode_with_nothing_resident_is_refused_before_launch(tmp_path):

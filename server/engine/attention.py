@@ -41,6 +41,12 @@ EXPLICIT_SCORES_BYTES = 64 << 20
 """Chunks computed without SDPA (soft-capping, sinks) take their queries in blocks whose float32
 scores stay under this, so a long prompt of a many-headed model does not hold heads x chunk x
 context floats several times over."""
+LAYER_POOLS = "hsdp_layer_pools"
+"""The keyword a decoder layer's forward may carry its own (keys, values) pools in, down to the
+attention function, which then writes the step's keys and values itself (the cache's
+``pools_in_kwargs``): how a compiled layer (:mod:`server.engine.compiled`, ``--compile-region
+layer``) reaches its pools as inputs of its graph, one graph for every layer, rather than by its
+``layer_idx``, a constant that would make a graph of each."""
 _UNSUPPORTED_KWARGS = ()  # every keyword an attention module passes is implemented or ignored
 
 
@@ -142,26 +148,37 @@ class PagedKVCache:
         self.values = [torch.zeros((kv_heads, slots, value_dim), dtype=dtype, device=device)
                        for _ in range(num_layers)]
         self.layout: PagedLayout | None = None
+        self.pools_in_kwargs = False  # set by a forward whose layers pass their pools as LAYER_POOLS
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        # [1, kv heads, T, d] -> this step's slots of the layer's pool; attention reads the pool
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if (key_states.shape[1] != keys.shape[0] or key_states.shape[-1] != keys.shape[-1]
-                or value_states.shape[-1] != values.shape[-1]):
-            raise UnsupportedAttention(
-                f"layer {layer_idx} has keys of shape {tuple(key_states.shape)} and values of "
-                f"{tuple(value_states.shape)}, the pool [{keys.shape[0]} heads, key dim {keys.shape[-1]}, value dim "
-                f"{values.shape[-1]}]")
-        keys.index_copy_(1, self.layout.slots_T, key_states[0])
-        values.index_copy_(1, self.layout.slots_T, value_states[0])
-        return keys, values
+        # [1, kv heads, T, d] -> this step's slots of the layer's pool; attention reads the pool.
+        # Where the pools come with the attention's keywords (compiled layers: LAYER_POOLS), the
+        # attention function writes them, and the states pass through untouched
+        if self.pools_in_kwargs:
+            return key_states, value_states
+        return _write_step(layer_idx, self.layout, key_states, value_states, self.keys[layer_idx],
+                           self.values[layer_idx])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions always come with the input
+
+
+def _write_step(layer, layout: PagedLayout, key_states, value_states, keys, values):
+    """This step's keys and values ([1, kv heads, T, d]) into their slots of a layer's pools; returns
+    the pools."""
+    if (key_states.shape[1] != keys.shape[0] or key_states.shape[-1] != keys.shape[-1]
+            or value_states.shape[-1] != values.shape[-1]):
+        raise UnsupportedAttention(
+            f"layer {layer} has keys of shape {tuple(key_states.shape)} and values of "
+            f"{tuple(value_states.shape)}, the pool [{keys.shape[0]} heads, key dim {keys.shape[-1]}, value dim "
+            f"{values.shape[-1]}]")
+    keys.index_copy_(1, layout.slots_T, key_states[0])
+    values.index_copy_(1, layout.slots_T, value_states[0])
+    return keys, values
 
 
 def paged_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -174,9 +191,15 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
         if kwargs.get(name) is not None:
             raise UnsupportedAttention(f"{type(module).__name__} asks for {name}={kwargs[name]!r}, which the paged "
                                        "engine does not implement")
+    pools = kwargs.pop(LAYER_POOLS, None)
+    if pools is not None:  # the cache passed this step's keys and values through: they go to these pools
+        key, value = _write_step(getattr(module, "layer_idx", type(module).__name__), hsdp_paged, key, value, *pools)
     if hsdp_paged is None:  # no cache: an idle rank's forward, or a plain call
         return _unpaged(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                         sliding_window=sliding_window, softcap=softcap, s_aux=s_aux, **kwargs)
+    if key.dim() != 3:  # [1, kv heads, T, d]: the cache passed them through, and no pools came
+        raise UnsupportedAttention(f"{type(module).__name__} got this step's keys without its pools: its layer does "
+                                   f"not pass its keywords down to the attention ({LAYER_POOLS})")
     heads, dim = query.shape[1], query.shape[3]
     scale = dim ** -0.5 if scaling is None else scaling
     variant = _Variant(sliding_window, softcap, s_aux)

@@ -1,19 +1,31 @@
 """Decode steps through ``torch.compile`` (``--compile decode``).
 
 A *decode-only* forward (every sequence of the step computes one token; none asks for its
-prompt's log-probabilities) runs the model through one ``torch.compile``'d function (inductor),
-with FSDP2's hooks out of the way (:class:`shard_engine.direct.DirectForward`): the Python of a
-few hundred module calls per step becomes one call of generated code. Which graphs, is
-``--compile-batch-sizes`` (:class:`server.config.CompileSizes`):
+prompt's log-probabilities) runs through ``torch.compile``'d code (inductor), with FSDP2's hooks
+out of the way (:class:`shard_engine.direct.DirectForward`). What one graph covers is
+``--compile-region``:
+
+* ``layer`` (the default): a decoder layer. Every layer calls one compiled function of the layer
+  (:class:`_CompiledLayers`) with its own parameters and KV pools as the graph's inputs, so dynamo
+  traces one layer, not the model, and the model's layers of one kind (Gemma 2's windowed and
+  global layers: two kinds) share a graph. A start costs seconds more than eager's (SmolLM2's 30
+  layers, one process on one core: ~15 s with inductor's cache empty, ~2 s with it filled, against
+  ~130 s and ~13 s for the model's graph); the embeddings, final norm, head and masks run eagerly around
+  the layers, and each layer's call between graphs costs about 0.1 ms (dynamo's frame, guards and
+  runtime wrappers), which a real model's step hardly notices and a tiny one's does.
+* ``model``: the whole forward, one call of generated code a step; the start traces and compiles
+  every layer.
+
+Which graphs, is ``--compile-batch-sizes`` (:class:`server.config.CompileSizes`):
 
 * a *static* size is a graph of that batch, traced once at startup; a step is padded to the
   smallest that holds it (vLLM's CUDA-graph capture sizes do the same): the static shapes CUDA
   graphs need, the GPU default;
 * the *open* size (``N+``) is one graph whose batch dimension is symbolic, for every step of at
-  least N sequences (padded up to N if fewer): one trace of the model for all of them, the CPU
-  default beside a static graph for one sequence. A trace is most of a start with inductor's
-  cache filled (dynamo over transformers' Python: 5-8 s at 24 layers on 2 cores), and inductor's
-  CPU code runs a symbolic batch as fast as a fixed one.
+  least N sequences (padded up to N if fewer): one trace for all of them, the CPU default beside
+  a static graph for one sequence. A trace is most of a cached start of the model's graph
+  (dynamo over transformers' Python: 5-8 s at 24 layers on 2 cores), and inductor's CPU code
+  runs a symbolic batch as fast as a fixed one.
 
 Only the KV pools' slot count and the sequences' context length (a size that reaches nothing but
 the decode attention op, :mod:`server.engine.kernels`) are symbolic besides. Steps with prompt
@@ -36,13 +48,18 @@ traces again but compiles less.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
+import threading
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+from server.engine.attention import LAYER_POOLS
 from server.engine.cores import threads_inside
 
 logger = logging.getLogger(__name__)
@@ -65,13 +82,108 @@ def inductor_cache_dir() -> str:
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(cache_root(), "inductor")
 
 
+def import_compiler_in_background(device_type: str) -> threading.Thread:
+    """Imports dynamo and inductor, and on CPU has inductor pick its vector ISA (it compiles a probe),
+    on a daemon thread: 2.6 s of a compiled start on these cores whose cache is filled, done while
+    the rank loads its shards (reading and copying, mostly outside the GIL) rather than after.
+    A failure here is left to the compile to report."""
+    def work():
+        try:
+            import torch._dynamo  # noqa: F401
+            import torch._inductor.compile_fx  # noqa: F401
+
+            if device_type == "cpu":
+                from torch._inductor import cpu_vec_isa
+
+                cpu_vec_isa.pick_vec_isa()
+        except Exception:  # noqa: BLE001 - CompiledDecode raises CompileUnavailable with the reason
+            logger.debug("importing the compiler ahead failed", exc_info=True)
+
+    thread = threading.Thread(target=work, name="import-compiler", daemon=True)
+    thread.start()
+    return thread
+
+
+def _layer_forward(layer: nn.Module, *args, **kwargs):
+    """A decoder layer's own forward, its class's (the instance's is :class:`_CompiledLayers`'s
+    wrapper around this, compiled)."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+class _CompiledLayers:
+    """``--compile-region layer``: the model's decoder layers (``detect_decoder_layer_names``), each
+    run through one compiled function of the layer, so that dynamo traces a layer rather than the
+    model, and every layer of a kind reuses its graph (parameters are inputs of it: dynamo's
+    inlined modules). Within :meth:`installed`, each layer's ``forward`` is that function with its
+    own KV pools as the keyword :data:`server.engine.attention.LAYER_POOLS` (not found by its
+    ``layer_idx``, a constant that would make a graph of each); the rest of the model (embeddings,
+    final norm, head, masks) runs eagerly around them."""
+
+    def __init__(self, model: nn.Module):
+        from shard_engine.units import detect_decoder_layer_names
+
+        self.layers: list[tuple[nn.Module, int]] = []  # (layer, its pools' index)
+        for name in detect_decoder_layer_names(model):
+            layer = model.get_submodule(name)
+            index = next((m.layer_idx for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)), None)
+            if index is None or "forward" in vars(layer):
+                why = "has no layer_idx" if index is None else "has a forward of its own instance"
+                raise CompileUnavailable(f"--compile-region layer: decoder layer {name} ({type(layer).__name__}) {why}; "
+                                         "--compile-region model compiles the whole forward instead")
+            self.layers.append((layer, index))
+        if not self.layers:
+            raise CompileUnavailable("--compile-region layer: the model has no repeated decoder layers; "
+                                     "--compile-region model compiles the whole forward instead")
+        self.compiled = torch.compile(_layer_forward, dynamic=False)
+        self.mark_rows = False  # the open graph's warm-up: the rows' dimension of each layer's inputs symbolic
+
+    @contextlib.contextmanager
+    def installed(self, cache, threads: int) -> Iterator[None]:
+        """Within, each layer runs compiled, entered at ``threads`` (a count its graphs were compiled
+        at: :meth:`CompiledDecode.entry_threads`), reading and writing ``cache``'s pools."""
+        for layer, index in self.layers:  # object's setattr: nn.Module's checks cost 24 layers ~0.1 ms
+            object.__setattr__(layer, "forward", functools.partial(self._run, layer, threads,
+                                                                   (cache.keys[index], cache.values[index])))
+        cache.pools_in_kwargs = True
+        try:
+            yield
+        finally:
+            cache.pools_in_kwargs = False
+            for layer, _ in self.layers:
+                object.__delattr__(layer, "forward")
+
+    def _run(self, layer: nn.Module, threads: int, pools, *args, **kwargs):
+        if self.mark_rows:
+            _mark_rows(args, kwargs)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        return self.compiled(layer, *args, **kwargs, **{LAYER_POOLS: pools})
+
+
+def _mark_rows(args, kwargs) -> None:
+    """Marks dynamic the rows' dimension (1) of a layer's tensor inputs that have it: [1, rows, ...]
+    where rows is the hidden states' (the first argument's) second dimension."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    rows = hidden.shape[1]
+    stack = [*args, *kwargs.values()]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == rows:
+                torch._dynamo.mark_dynamic(value, 1)
+        elif isinstance(value, (tuple, list)):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+
+
 class CompiledDecode:
     """The compiled decode forward of one rank's model. :meth:`pad` turns a decode-only step's
     inputs into a bucket's, or says it has none; ``forward(**kwargs)`` is then the model's forward
     (same arguments, same output) over the padded rows. ``sizes``: the graphs, a
     :class:`server.config.CompileSizes`."""
 
-    def __init__(self, model: nn.Module, sizes):
+    def __init__(self, model: nn.Module, sizes, region: str = "layer"):
         from shard_engine.direct import DirectForward
 
         try:
@@ -79,12 +191,20 @@ class CompiledDecode:
         except ValueError as e:
             raise CompileUnavailable(f"--compile decode: {e} (every unit must be resident: --resident-units all, "
                                      "or auto on CPU ranks of one host)") from None
-        self.sizes = sizes
-        self._compiled = torch.compile(model.forward, dynamic=False)
+        self.sizes, self.region = sizes, region
+        if region == "model":
+            self._layers = None
+            self._compiled = torch.compile(model.forward, dynamic=False)
+        elif region == "layer":
+            self._layers = _CompiledLayers(model)
+            self._compiled = model.forward  # eager around the layers
+        else:
+            raise ValueError(f"--compile-region: {region!r} is neither layer nor model")
         self.calls = 0  # decode forwards run compiled, warm-up included
         self.warm = False
         self.skip_guards = True  # after the warm-up (:meth:`_stance`); off for good after a call no graph fit
         self.threads = torch.get_num_threads()  # the warm-up's: part of every graph's guards
+        self.thread_counts = (self.threads,)  # the counts graphs were compiled at (warm_up's thread_counts)
         self.padded_rows = 0  # rows computed only to fill a bucket, warm-up included
         self.warm_up_padded_rows = 0  # ... of which the warm-up's
         self.batches: set[int] = set()  # the batches run compiled since the warm-up
@@ -118,9 +238,16 @@ class CompiledDecode:
         self.padded_rows += extra
         return True
 
+    def entry_threads(self, threads: int) -> int:
+        """The intra-op threads a forward whose plan carries ``threads`` (0: none) is entered at: that
+        count where graphs were compiled at it (the layers' graphs, at each of ``thread_counts``),
+        else the count of the rank's own graphs (its opaque ops then switch to the plan's)."""
+        return threads if threads in self.thread_counts else self.threads
+
     def forward(self, threads: int = 0, **kwargs):
-        """The model's forward over a padded decode step; ``threads``: the intra-op threads its
-        opaque ops run at (the plan's, :mod:`server.engine.cores`; 0: the graphs' own count)."""
+        """The model's forward over a padded decode step, entered at :meth:`entry_threads`;
+        ``threads``: the intra-op threads its opaque ops run at (the plan's, :mod:`server.engine.cores`;
+        0: the graphs' own count)."""
         self.calls += 1
         if self.warm:
             self.batches.add(kwargs["input_ids"].shape[1])
@@ -137,7 +264,7 @@ class CompiledDecode:
                 torch._dynamo.mark_dynamic(tensor, dim)
         try:
             with threads_inside(threads):
-                return self._call(kwargs)
+                return self._call(kwargs, self.entry_threads(threads))
         except RuntimeError as e:
             # a call no graph fits (what pad() admits should never be one): under
             # skip_guard_eval_unsafe torch raises before running anything; from now on every
@@ -149,16 +276,20 @@ class CompiledDecode:
             self.skip_guards = False
             torch.set_num_threads(self.threads)
             with threads_inside(threads):
-                return self._call(kwargs)
+                return self._call(kwargs, self.threads)
 
-    def _call(self, kwargs):
+    def _call(self, kwargs, entry_threads: int):
         # specialize_float: the modules' float attributes (norm epsilons, scales) are constants.
         # As symbolic floats, torch 2.13 traced every graph twice (its pass that turns them into
         # tensors gave up and restarted the analysis with them specialized).
         # recompile_limit: a graph per static size and the open one (a recompile past it would run eagerly)
-        with self._direct(), torch._dynamo.config.patch(specialize_float=True,
-                                                        recompile_limit=self.sizes.graphs + 1), self._stance():
-            return self._compiled(**kwargs)
+        # (layers: a graph per size for each kind of layer, the model's layers of one kind sharing it)
+        limit = self.sizes.graphs * len(self.thread_counts) * (1 if self._layers is None else len(self._layers.layers)) + 1
+        with self._direct(), torch._dynamo.config.patch(specialize_float=True, recompile_limit=limit), self._stance():
+            if self._layers is None:
+                return self._compiled(**kwargs)
+            with self._layers.installed(kwargs["cache"], entry_threads):
+                return self._compiled(**kwargs)
 
     def _stance(self):
         """After the warm-up: a call that no graph fits runs eagerly rather than compiling
@@ -171,14 +302,16 @@ class CompiledDecode:
             return torch.compiler.set_stance("default")
         return torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=self.skip_guards)
 
-    def warm_up(self, cache, block_size: int, device: torch.device) -> float:
+    def warm_up(self, cache, block_size: int, device: torch.device, thread_counts: tuple[int, ...] = ()) -> float:
         """Compile now: for every static size, decode forwards of one sequence at each of
         :data:`WARM_UP_CONTEXTS` (padded to the size, as a step would be); for the open size, one at
         that size and one at the next, so that the batch is seen to vary. Their keys and values go
-        to block 0 of ``cache`` (free at startup). Returns the seconds it took; raises
-        CompileUnavailable naming what failed. A model whose forward specializes on the open
-        graph's batch (a graph per batch after all) is warned about: its other batches run eagerly."""
-        from server.engine.attention import PagedLayout
+        to block 0 of ``cache`` (free at startup). The layers' graphs are compiled at each of
+        ``thread_counts`` besides the rank's own count (:func:`server.engine.cores.compiled_thread_counts`;
+        the model's graph at its own only: a set of them is a minute's compile). Returns the seconds
+        it took; raises CompileUnavailable naming what failed. A model whose forward specializes on
+        the open graph's batch (a graph per batch after all) is warned about: its other batches run
+        eagerly."""
         # the pools' slot count (the KV budget, sized from free memory at every start) as one
         # symbol: a graph of fixed sizes otherwise, whose cache on disk a new budget would miss
         for pool in cache.keys + cache.values:
@@ -186,35 +319,55 @@ class CompiledDecode:
         if max(WARM_UP_CONTEXTS) > block_size * cache.num_blocks:
             raise CompileUnavailable("--compile decode: the KV cache is too small to warm up in")
         self.warm = False  # every guard evaluated: a new pool (another engine's) compiles anew
-        if torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
+        self.thread_counts = tuple(sorted({self.threads, *(thread_counts if self._layers is not None else ())}))
         calls = [(bucket, context) for bucket in self.sizes.static for context in WARM_UP_CONTEXTS]
         if self.sizes.open_from is not None:
             calls += [(self.sizes.open_from + i, context) for i, context in enumerate(WARM_UP_CONTEXTS)]
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        counter = torch._dynamo.utils.counters["stats"]
+        graphs = counter["unique_graphs"]
+        specialized = []  # sizes whose second warm-up call compiled again: the forward specializes on what varied
         start = time.monotonic()
-        for bucket, context in calls:
-            ids, positions, keep = [1], [context - 1], [0]
-            items = [(context - 1, 1, list(range(-(-context // block_size))))]
-            self.pad(ids, positions, items, keep, cache.scratch_block, bucket=bucket)
-            layout = PagedLayout.build(items, block_size, device)
-            cache.layout = layout
-            try:
-                with torch.no_grad():
-                    self.forward(input_ids=torch.tensor([ids], device=device),
-                                 position_ids=torch.tensor([positions], device=device),
-                                 cache=cache, use_cache=True,
-                                 logits_to_keep=torch.tensor(keep, device=device), hsdp_paged=layout)
-            except Exception as e:
-                raise CompileUnavailable(f"--compile decode: torch.compile failed ({type(e).__name__}: "
-                                         f"{str(e).splitlines()[0] if str(e) else ''})") from e
-            finally:
-                cache.layout = None
-        self.graphs_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
-        if self.graphs_compiled > self.sizes.graphs:
-            logger.warning("compiled decode: %d graphs for --compile-batch-sizes %s (expected %d): the model's forward "
-                           "specializes on the batch; steps of batches not warmed up run eagerly",
-                           self.graphs_compiled, self.sizes, self.sizes.graphs)
+        try:
+            for threads in self.thread_counts:
+                torch.set_num_threads(threads)
+                for i, (bucket, context) in enumerate(calls):
+                    before = counter["unique_graphs"]
+                    self._warm_up_call(cache, block_size, device, bucket, context, threads)
+                    if i % len(WARM_UP_CONTEXTS) and counter["unique_graphs"] > before:
+                        opened = self.sizes.open_from is not None and bucket >= self.sizes.open_from
+                        specialized.append(f"{bucket}+" if opened else str(bucket))
+        finally:
+            torch.set_num_threads(self.threads)
+        self.graphs_compiled = counter["unique_graphs"] - graphs
+        if specialized:
+            logger.warning("compiled decode: the model's forward specializes on the context or the batch (%s compiled "
+                           "again at their second warm-up step, %d graphs in all): steps of sizes not warmed up run "
+                           "eagerly", ", ".join(specialized), self.graphs_compiled)
         self.warm_up_padded_rows = self.padded_rows
         self.warm = True
         return time.monotonic() - start
+
+    def _warm_up_call(self, cache, block_size: int, device: torch.device, bucket: int, context: int,
+                      threads: int) -> None:
+        """One warm-up forward: a sequence of ``context`` tokens padded to ``bucket``, entered at ``threads``."""
+        from server.engine.attention import PagedLayout
+
+        ids, positions, keep = [1], [context - 1], [0]
+        items = [(context - 1, 1, list(range(-(-context // block_size))))]
+        self.pad(ids, positions, items, keep, cache.scratch_block, bucket=bucket)
+        layout = PagedLayout.build(items, block_size, device)
+        cache.layout = layout
+        if self._layers is not None:  # the open graph's: the layers' inputs of the step's rows symbolic too
+            self._layers.mark_rows = self.sizes.open_from is not None and bucket >= self.sizes.open_from
+        try:
+            with torch.no_grad():
+                self.forward(threads=threads, input_ids=torch.tensor([ids], device=device),
+                             position_ids=torch.tensor([positions], device=device), cache=cache, use_cache=True,
+                             logits_to_keep=torch.tensor(keep, device=device), hsdp_paged=layout)
+        except Exception as e:
+            raise CompileUnavailable(f"--compile decode: torch.compile failed ({type(e).__name__}: "
+                                     f"{str(e).splitlines()[0] if str(e) else ''})") from e
+        finally:
+            cache.layout = None
+            if self._layers is not None:
+                self._layers.mark_rows = False

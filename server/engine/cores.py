@@ -19,7 +19,10 @@ kernels hold it as a constant. Its opaque ops (the packed linears, the decode at
 a step's time) read the thread count when they run, so they follow the plan all the same: the
 compiled call runs inside :func:`threads_inside`, and the first of them to run switches to the
 plan's count (:func:`follow_threads`); the graph's own kernels keep theirs, and the next call is
-entered at the compiled count again. Two groups that plan at the same moment may
+entered at the compiled count again. Compiled layers (``--compile-region layer``) have graphs at
+the plan's likely counts (:func:`compiled_thread_counts`) and are entered at the plan's count
+where it is one of them, since switching twice a layer costs more than the idle core gives. Two
+groups that plan at the same moment may
 both count the other idle: the host is oversubscribed for that one step, and each group's next
 plan counts again. GPU ranks are left as they are (their host threads feed a device), and so are
 models smaller than :data:`MIN_WEIGHT_BYTES`.
@@ -39,6 +42,23 @@ host time (module calls), which a second thread cannot shorten. Measured on the 
 24-layer Llama, eager, one client: 57-63 tok/s with the idle core, 64-73 without, 56-66 with this
 bound leaving it out, all within run-to-run noise; SmolLM2-135M in bf16 (270 MB): 17.8 tok/s with
 it, 14.5 without."""
+
+
+def cores_follow_work(device_type: str, weight_bytes: int, step_groups: int) -> bool:
+    """Whether a busy rank takes its host's idle cores: CPU ranks, several step groups, a model
+    of at least :data:`MIN_WEIGHT_BYTES`."""
+    return device_type == "cpu" and step_groups > 1 and weight_bytes >= MIN_WEIGHT_BYTES
+
+
+def compiled_thread_counts(follows_work: bool, threads_per_rank: int, ranks_per_host: int) -> tuple[int, ...]:
+    """The intra-op thread counts a rank's compiled layers are warmed up at, a set of graphs each
+    (``--compile-region layer``): its own share, and where cores follow the work the host's cores
+    (what a rank alone with work gets). A layer's graph is entered at the plan's count where it
+    is one of these, so a step does not switch counts twice a layer (``torch.set_num_threads``
+    resizes OpenMP's pool: ~90 us a switch here, 5 ms a step at 30 layers); a count between them
+    (hosts of more than two ranks) enters at the rank's own and switches in the opaque ops."""
+    host = threads_per_rank * ranks_per_host
+    return (threads_per_rank, host) if follows_work and host > threads_per_rank else (threads_per_rank,)
 
 
 class HostCores:

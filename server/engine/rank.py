@@ -202,7 +202,7 @@ class RankEngine:
                                                                            self.cache.scratch_block):
             # entered at the thread count its graphs were compiled at; its opaque ops take the plan's
             forward = functools.partial(self.compiled.forward, threads=threads)
-            threads = self.compiled.threads
+            threads = self.compiled.entry_threads(threads)
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # the idle ranks' cores (server.engine.cores)
         layout = PagedLayout.build(items, self.block_size, self.device)
@@ -257,17 +257,22 @@ class RankEngine:
             results.append(TokenResult(seq.seq_id, token, logprob, top, stop=stop))
         return results
 
-    def compile_decode(self, compiled=None, sizes=None) -> float:
+    def compile_decode(self, compiled=None, sizes=None, region: str | None = None,
+                       thread_counts: tuple[int, ...] = ()) -> float:
         """``--compile decode``: decode-only forwards that ``sizes`` (a CompileSizes; by default the
-        device's) has a graph for from now on go through a compiled forward (:mod:`server.engine.compiled`;
-        ``compiled``, a CompiledDecode of this engine's model that an earlier engine warmed up, or a
-        new one), warmed up in this engine's KV pool now; returns the seconds it took. Raises
-        CompileUnavailable with the reason where it cannot be."""
+        device's) has a graph for from now on go through a compiled forward (:mod:`server.engine.compiled`,
+        graphs of ``region``, by default ``--compile-region``'s; ``compiled``, a CompiledDecode of this
+        engine's model that an earlier engine warmed up, or a new one), warmed up in this engine's KV
+        pool now (the layers' graphs at each of ``thread_counts`` too: the counts this rank's plans may
+        carry, :func:`server.engine.cores.compiled_thread_counts`); returns the seconds it took.
+        Raises CompileUnavailable with the reason where it cannot be."""
         from server.config import ServeConfig
         from server.engine.compiled import CompiledDecode
 
-        compiled = compiled or CompiledDecode(self.model, sizes or ServeConfig().compile_batch_sizes_for(self.device.type))
-        seconds = compiled.warm_up(self.cache, self.block_size, self.device)
+        defaults = ServeConfig()
+        compiled = compiled or CompiledDecode(self.model, sizes or defaults.compile_batch_sizes_for(self.device.type),
+                                              region or defaults.compile_region)
+        seconds = compiled.warm_up(self.cache, self.block_size, self.device, thread_counts)
         self.compiled = compiled
         return seconds
 
