@@ -23,11 +23,14 @@ that do not need its result still run:
                    ``generate`` with the same batch: the whole run, and decode steps alone
 7. ``prefetch``    the server's default (nothing resident, prefetch depth 2) at the same loads
 8. ``step_profile`` cProfile of one-sequence decode steps (``step_profile.txt``)
-9. ``serve``       ``python -m server --device cuda`` started as users start it: time to ready,
+9. ``compiled``    decode steps through compiled graphs (``--compile decode``), each region (a
+                   layer's graph, the whole forward's) at the device's default sizes: warm-up
+                   seconds and graphs, greedy tokens against eager's, tokens/s at each load
+10. ``serve``      ``python -m server --device cuda`` started as users start it: time to ready,
                    greedy tokens over HTTP equal to the in-process engine's, 32 streaming clients,
                    /info, SIGTERM and its exit code (``server.log``)
-10. ``cpu_offload`` ``HSDPInferenceConfig(cpu_offload=True)``: shards in host memory, same tokens
-11. ``quantized``   FP8-block, W4A16 and W8A8 tiny checkpoints loaded on the device (float32): greedy
+11. ``cpu_offload`` ``HSDPInferenceConfig(cpu_offload=True)``: shards in host memory, same tokens
+12. ``quantized``   FP8-block, W4A16 and W8A8 tiny checkpoints loaded on the device (float32): greedy
                    tokens equal to transformers' (``loaders.quantization``'s device path)
 
 Writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out`` after every phase, so a run cut
@@ -591,6 +594,51 @@ def _phase_sampling_syncs(p: dict, run: Run) -> None:
         assert p["greedy_syncs"] <= 1 and p["top_logprobs_syncs"] <= 1 and p["sampled_syncs"] <= 1, p
 
 
+def _phase_compiled(p: dict, run: Run) -> None:
+    """Decode steps through compiled graphs (``--compile decode``, issue 25), each
+    ``--compile-region`` (a decoder layer's graph shared by every layer; the whole forward's), at
+    the device's default ``--compile-batch-sizes``: the warm-up's seconds and graphs, the greedy
+    tokens against the eager engine's (equal in float32; in bf16 near ties may part), output
+    tokens/s at each concurrency against the same engine eager in this phase."""
+    from server.config import ServeConfig
+
+    state, device = run.state, run.device
+    kv, prefill = state["kv_blocks"], run.prefill_tokens
+    sizes = ServeConfig().compile_batch_sizes_for(device.type)
+    p["sizes"] = str(sizes)
+    prompts = random_prompts(len(PARITY_PROMPT_LENGTHS), PARITY_PROMPT_LENGTHS, state["vocab"], seed=1)
+    eager_tokens = run_engine(state["engine"], prompts, run.parity_new, kv_blocks=kv, prefill_tokens=prefill)["tokens"]
+    loads = {c: random_prompts(c, run.prompt_tokens, state["vocab"], seed=100 + c) for c in run.concurrency}
+
+    def throughput(engine, c):
+        r = run_engine(engine, loads[c], run.new_tokens, kv_blocks=kv, prefill_tokens=prefill)
+        return {"concurrency": c, "tokens_per_s": round(c * run.new_tokens / r["seconds"], 1),
+                "decode_tokens_per_s": round(r["decode_tokens"] / max(r["decode_seconds"], 1e-9), 1),
+                "ms_per_decode_step": round(1000 * r["decode_seconds"] / max(1, r["steps"]), 2)}
+
+    p["eager"] = [throughput(state["engine"], c) for c in run.concurrency]
+    regions = p["regions"] = {}
+    for region in ("layer", "model"):
+        if time.monotonic() > run.deadline:
+            p["skipped"] = f"region {region} and after: past --budget-s"
+            break
+        engine = make_engine(state["ours"], device, kv)
+        r = regions[region] = {"warm_up_s": round(engine.compile_decode(sizes=sizes, region=region), 1),
+                               "graphs": engine.compiled.graphs_compiled}
+        tokens = run_engine(engine, prompts, run.parity_new, kv_blocks=kv, prefill_tokens=prefill)["tokens"]
+        r["tokens_equal_eager"] = sum(a == b for a, b in zip(tokens, eager_tokens))
+        r["of"] = len(prompts)
+        r["runs"] = [throughput(engine, c) for c in run.concurrency]
+        r["compiled_steps"] = engine.compiled.calls
+        for got, eager in zip(r["runs"], p["eager"]):
+            got["ratio_to_eager"] = round(got["tokens_per_s"] / eager["tokens_per_s"], 3)
+        log(json.dumps({region: r}))
+        del engine
+        if run.dry and r["tokens_equal_eager"] != r["of"]:  # float32: compiled steps are exact
+            raise AssertionError(f"--compile-region {region}: {r['tokens_equal_eager']} of {r['of']} prompts' greedy "
+                                 "tokens equal to eager's in float32")
+
+
 def _phase_serve(p: dict, run: Run) -> None:
     args, dry, prompt_tokens, new_tokens = run.args, run.dry, run.prompt_tokens, run.new_tokens
     prefill_tokens, state, device, path = run.prefill_tokens, run.state, run.device, run.path
@@ -750,7 +798,7 @@ def main(argv=None) -> int:
     phases = [("checkpoint", _phase_checkpoint), ("load", _phase_load), ("residency", _phase_residency),
               ("parity_bf16" if not run.dry else "parity_dtype", _phase_parity_bf16), ("decode", _phase_decode),
               ("prefetch", _phase_prefetch), ("step_profile", _phase_step_profile),
-              ("sampling_syncs", _phase_sampling_syncs)]
+              ("sampling_syncs", _phase_sampling_syncs), ("compiled", _phase_compiled)]
     for name, phase in phases:
         with report.phase(name) as p:
             phase(p, run)

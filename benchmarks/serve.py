@@ -16,8 +16,10 @@ float32), one after the other, on this machine:
   hsdp           hsdp-serve on 2 CPU ranks, its defaults: every unit resident in one shared copy
                  for the host (--resident-units auto), nothing gathered after startup
   hsdp-compiled  hsdp with --compile decode: decode steps through torch.compile'd graphs
-                 (on CPU its default sizes 1,2+: one sequence, and every larger batch in one
-                 graph of symbolic batch), compiled at startup (in its ready_s)
+                 (its default region, a decoder layer: one graph every layer shares; on CPU its
+                 default sizes 1,2+: one sequence, and every larger batch in one graph of
+                 symbolic batch), compiled at startup (in its ready_s)
+  hsdp-compiled-model  --compile decode --compile-region model: one graph of the whole forward
   hsdp-compiled-static  --compile decode --compile-batch-sizes 1,2,4,8,16: a graph per size,
                  steps padded to them, none past 16 (the GPU default's shape; CPU's until 1,2+)
   hsdp-sharded   --resident-units 0: every unit gathered every step, prefetch depth 2,
@@ -65,8 +67,8 @@ import httpx
 from benchmarks.models import bench_checkpoint, compute_dtype, parameter_count
 from tests.server_process import REPO, free_port
 
-SERVERS = ("transformers", "vllm", "llama.cpp", "hsdp", "hsdp-compiled", "hsdp-compiled-static", "hsdp-sharded",
-           "hsdp-gloo", "hsdp-resident", "hsdp-1rank", "hsdp-replicas", "hsdp-plain-linears")
+SERVERS = ("transformers", "vllm", "llama.cpp", "hsdp", "hsdp-compiled", "hsdp-compiled-model", "hsdp-compiled-static",
+           "hsdp-sharded", "hsdp-gloo", "hsdp-resident", "hsdp-1rank", "hsdp-replicas", "hsdp-plain-linears")
 PEERS = ("transformers", "vllm", "llama.cpp", "hsdp-1rank")
 """The servers each hsdp-serve variant is reported as a ratio to, where they ran."""
 VLLM = os.environ.get("HSDP_BENCH_VLLM", os.path.expanduser("~/.vllm-venv/bin/vllm"))
@@ -178,6 +180,7 @@ def build_server(name: str, model_dir: str, log_dir: str, max_running: int, dtyp
             "--dtype", dtype, "--port", str(port), "--max-concurrent-requests", str(max_running),
             "--log-level", "warning", "--served-model-name", model_dir]
     argv += {"hsdp": [], "hsdp-compiled": ["--compile", "decode"],
+             "hsdp-compiled-model": ["--compile", "decode", "--compile-region", "model"],
              "hsdp-compiled-static": ["--compile", "decode", "--compile-batch-sizes", "1,2,4,8,16"],
              "hsdp-sharded": ["--resident-units", "0"],
              "hsdp-gloo": ["--resident-units", "0", "--all-gather", "group"],

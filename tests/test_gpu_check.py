@@ -12,7 +12,7 @@ import sys
 from tests.server_process import REPO
 
 PHASES = ["env", "checkpoint", "load", "residency", "parity_dtype", "decode", "prefetch", "step_profile",
-          "sampling_syncs", "serve", "parity_fp32", "cpu_offload", "quantized"]
+          "sampling_syncs", "compiled", "serve", "parity_fp32", "cpu_offload", "quantized"]
 
 
 def test_gpu_check_dry_run(tmp_path):
@@ -33,6 +33,11 @@ def test_gpu_check_dry_run(tmp_path):
     assert phases["sampling_syncs"]["greedy_syncs"] is None  # counted on a GPU only
     assert all(phases["quantized"][f]["equal"] == phases["quantized"][f]["of"] == 3
                for f in ("fp8-block-16", "w4a16", "w8a8"))
+    compiled = phases["compiled"]
+    assert compiled["sizes"] == "1,2+" and set(compiled["regions"]) == {"layer", "model"}
+    for region in compiled["regions"].values():  # float32: equal (the phase raises otherwise)
+        assert region["tokens_equal_eager"] == region["of"] == 4 and region["graphs"] >= 2
+        assert [r["concurrency"] for r in region["runs"]] == [1, 4] and region["compiled_steps"] > 0
     systems = {(r["concurrency"], r["system"]) for r in phases["decode"]["runs"]}
     assert systems == {(c, s) for c in (1, 4) for s in ("transformers generate", "engine, all resident",
                                                           "engine, none resident")}
