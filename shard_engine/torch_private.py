@@ -5,7 +5,8 @@ bind a parameter's gathered storage or its shard to a tensor of our own (shared 
 unit's param group and the shape of its parameters, issue a unit's all-gathers asynchronously,
 subclass the all-gather comm, wrap a local tensor as a DTensor without autograd or a device move,
 replace a module's parameters as FSDP2 itself does, reach the default group's store, or make the
-elastic rendezvous's store listen on loopback. Each need is one function here, named for what it
+elastic rendezvous's store listen on loopback, import the compiler ahead of a first
+``torch.compile``. Each need is one function here, named for what it
 does; nothing else in the tree names a private torch attribute or module
 (``tests/test_torch_private.py`` scans for the names of :data:`RELIED_ON`), and nothing else
 reads the attributes of FSDP2's private classes (``FSDPParam``, ``FSDPParamGroup``), public ones
@@ -39,6 +40,8 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
     "torch.distributed.distributed_c10d": ("_get_default_store",),
     "torch.distributed.fsdp._fully_shard._fsdp_common": ("_from_local_no_grad",),
     "torch.distributed.fsdp._fully_shard._fsdp_collectives": ("AllGather", "DefaultAllGather"),
+    "torch._inductor.compile_fx": ("compile_fx",),
+    "torch._inductor.cpu_vec_isa": ("pick_vec_isa",),
     # torch classes (dotted): methods called or overridden
     "torch.distributed.elastic.rendezvous.dynamic_rendezvous.DynamicRendezvousHandler": (
         "_create_tcp_store_server",),
@@ -258,6 +261,15 @@ def loopback_rendezvous_handler(params, store, backend, *, local_addr: str, time
 
 
 # check()
+
+
+def import_compiler(device_type: str) -> None:
+    """Imports dynamo and inductor, and on CPU has inductor pick its vector ISA (it compiles a probe
+    program, once a process): what a first ``torch.compile`` call would otherwise do."""
+    importlib.import_module("torch._dynamo")
+    importlib.import_module("torch._inductor.compile_fx")
+    if device_type == "cpu":
+        importlib.import_module("torch._inductor.cpu_vec_isa").pick_vec_isa()
 
 
 def check() -> None:

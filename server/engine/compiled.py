@@ -87,15 +87,11 @@ def import_compiler_in_background(device_type: str) -> threading.Thread:
     on a daemon thread: 2.6 s of a compiled start on these cores whose cache is filled, done while
     the rank loads its shards (reading and copying, mostly outside the GIL) rather than after.
     A failure here is left to the compile to report."""
+    from shard_engine.torch_private import import_compiler
+
     def work():
         try:
-            import torch._dynamo  # noqa: F401
-            import torch._inductor.compile_fx  # noqa: F401
-
-            if device_type == "cpu":
-                from torch._inductor import cpu_vec_isa
-
-                cpu_vec_isa.pick_vec_isa()
+            import_compiler(device_type)
         except Exception:  # noqa: BLE001 - CompiledDecode raises CompileUnavailable with the reason
             logger.debug("importing the compiler ahead failed", exc_info=True)
 
