@@ -108,6 +108,10 @@ class CompileSizes:
     def graphs(self) -> int:
         return len(self.static) + (self.open_from is not None)
 
+    def in_open_graph(self, batch: int) -> bool:
+        """Whether a (padded) step of ``batch`` sequences runs in the open graph."""
+        return self.open_from is not None and batch >= self.open_from
+
 
 def parse_batch_sizes(text: str) -> CompileSizes | None:
     """argparse type for ``--compile-batch-sizes``: positive integers, comma-separated (1,2,4,8),

@@ -260,7 +260,7 @@ def loopback_rendezvous_handler(params, store, backend, *, local_addr: str, time
         params.run_id, store, backend, params.min_nodes, params.max_nodes, local_addr, timeout)
 
 
-# check()
+# the compiler
 
 
 def import_compiler(device_type: str) -> None:
@@ -270,6 +270,9 @@ def import_compiler(device_type: str) -> None:
     importlib.import_module("torch._inductor.compile_fx")
     if device_type == "cpu":
         importlib.import_module("torch._inductor.cpu_vec_isa").pick_vec_isa()
+
+
+# check()
 
 
 def check() -> None:

@@ -187,7 +187,7 @@ class CompiledDecode:
         except ValueError as e:
             raise CompileUnavailable(f"--compile decode: {e} (every unit must be resident: --resident-units all, "
                                      "or auto on CPU ranks of one host)") from None
-        self.sizes, self.region = sizes, region
+        self.sizes = sizes
         if region == "model":
             self._layers = None
             self._compiled = torch.compile(model.forward, dynamic=False)
@@ -252,7 +252,7 @@ class CompiledDecode:
         # the context length varies every step: symbolic (it only sizes the attention op's inputs)
         for tensor, dim in ((decode.slots_SL, 1), (decode.valid_SL, 1), (decode.positions_L, 0)):
             torch._dynamo.mark_dynamic(tensor, dim)
-        if self.sizes.open_from is not None and kwargs["input_ids"].shape[1] >= self.sizes.open_from:
+        if self.sizes.in_open_graph(kwargs["input_ids"].shape[1]):
             # the open graph's: the batch is symbolic in every input that has it
             for tensor, dim in ((kwargs["input_ids"], 1), (kwargs["position_ids"], 1), (kwargs["logits_to_keep"], 0),
                                 (layout.slots_T, 0), (decode.rows_S, 0), (decode.slots_SL, 0), (decode.valid_SL, 0),
@@ -281,11 +281,11 @@ class CompiledDecode:
         # recompile_limit: a graph per static size and the open one (a recompile past it would run eagerly)
         # (layers: a graph per size for each kind of layer, the model's layers of one kind sharing it)
         limit = self.sizes.graphs * len(self.thread_counts) * (1 if self._layers is None else len(self._layers.layers)) + 1
-        with self._direct(), torch._dynamo.config.patch(specialize_float=True, recompile_limit=limit), self._stance():
-            if self._layers is None:
-                return self._compiled(**kwargs)
-            with self._layers.installed(kwargs["cache"], entry_threads):
-                return self._compiled(**kwargs)
+        layers = contextlib.nullcontext() if self._layers is None else self._layers.installed(kwargs["cache"],
+                                                                                               entry_threads)
+        with self._direct(), torch._dynamo.config.patch(specialize_float=True, recompile_limit=limit), \
+                self._stance(), layers:
+            return self._compiled(**kwargs)
 
     def _stance(self):
         """After the warm-up: a call that no graph fits runs eagerly rather than compiling
@@ -330,8 +330,7 @@ class CompiledDecode:
                     before = counter["unique_graphs"]
                     self._warm_up_call(cache, block_size, device, bucket, context, threads)
                     if i % len(WARM_UP_CONTEXTS) and counter["unique_graphs"] > before:
-                        opened = self.sizes.open_from is not None and bucket >= self.sizes.open_from
-                        specialized.append(f"{bucket}+" if opened else str(bucket))
+                        specialized.append(f"{bucket}+" if self.sizes.in_open_graph(bucket) else str(bucket))
         finally:
             torch.set_num_threads(self.threads)
         self.graphs_compiled = counter["unique_graphs"] - graphs
@@ -354,7 +353,7 @@ class CompiledDecode:
         layout = PagedLayout.build(items, block_size, device)
         cache.layout = layout
         if self._layers is not None:  # the open graph's: the layers' inputs of the step's rows symbolic too
-            self._layers.mark_rows = self.sizes.open_from is not None and bucket >= self.sizes.open_from
+            self._layers.mark_rows = self.sizes.in_open_graph(bucket)
         try:
             with torch.no_grad():
                 self.forward(threads=threads, input_ids=torch.tensor([ids], device=device),
