@@ -21,6 +21,13 @@ from server.group.process_group import init_rank, resolve_device_type
 logger = logging.getLogger(__name__)
 
 
+def _host_ranks() -> tuple[int, int]:
+    """This rank's index among the ranks of its host, and their count (the launcher's LOCAL_RANK and
+    LOCAL_WORLD_SIZE; one host of every rank where they are not set)."""
+    return (int(os.environ.get("LOCAL_RANK", dist.get_rank())),
+            int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+
+
 def _resolve_limits(cfg: ServeConfig, model_config):
     from server.http.state import Limits
 
@@ -139,7 +146,7 @@ def serve_rank(cfg: ServeConfig, source) -> None:
     tune_allocator()  # server.group.memory says why
     device = init_rank(resolve_device_type(cfg.device), cfg.collective_timeout_s)
     rank = dist.get_rank()
-    hsdp = cfg.mesh_config(dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+    hsdp = cfg.mesh_config(dist.get_world_size(), _host_ranks()[1])
     mesh_shape = hsdp.resolve_mesh_shape(dist.get_world_size())
     state = http = scheduler = None
     group = _Group()
@@ -226,6 +233,7 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
     ``compiling`` meanwhile); every rank, collectively. Returns this rank's engine and every rank's
     ``(bytes read, resident bytes, KV blocks)``."""
     from server.engine import KVGeometry, RankEngine, size_kv_pool
+    from server.engine.compiled import WarmUpPeers
     from server.engine.cores import compiled_thread_counts, cores_follow_work
     from server.group.memory import MemoryReport, release_freed_memory, tensor_bytes
     from shard_engine import enable_forward_prefetch, enable_shared_memory_all_gather, shared_weights_of, \
@@ -258,10 +266,13 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
         logger.info("compiling the decode forward (--compile decode)")
         # each rank its own step group (every unit resident): the thread counts its plans may carry
         follows = cores_follow_work(device.type, _weight_bytes(loaded.model), dist.get_world_size())
-        counts = compiled_thread_counts(follows, torch.get_num_threads(),
-                                        int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
-        logger.info("decode forward compiled in %.1f s", engine.compile_decode(
-            sizes=cfg.compile_batch_sizes_for(device.type), region=cfg.compile_region, thread_counts=counts))
+        index, count = _host_ranks()
+        counts = compiled_thread_counts(follows, torch.get_num_threads(), count)
+        # the ranks of a host share out the layers' graphs (the same model's: the same graphs)
+        seconds = engine.compile_decode(sizes=cfg.compile_batch_sizes_for(device.type), region=cfg.compile_region,
+                                        thread_counts=counts, peers=WarmUpPeers(index, count, dist.barrier))
+        logger.info("decode forward compiled in %.1f s (%d graphs compiled, %d loaded from disk)", seconds,
+                    engine.compiled.graphs_compiled, engine.compiled.graphs_loaded)
     release_freed_memory()
     weights = shared_weights_of(loaded.model)
     # shards that are views of the host's shared copy are counted once, in its share
@@ -308,7 +319,7 @@ def _build_router(cfg: ServeConfig, loaded, groups, per_rank, state, device):
     # a busy rank takes its host's idle cores (server.engine.cores), where a step streams weights
     if cores_follow_work(device.type, _weight_bytes(loaded.model), len(groups)):
         world = sum(len(ranks) for ranks in groups)
-        cores = HostCores(int(os.environ.get("LOCAL_WORLD_SIZE", world)), torch.get_num_threads(), world)
+        cores = HostCores(_host_ranks()[1], torch.get_num_threads(), world)
     schedulers = [
         Scheduler(
             pools=[BlockPool(per_rank[r][2], cfg.kv_block_size, prefix_caching=cfg.prefix_caching) for r in ranks],

@@ -6,11 +6,11 @@ unit's param group and the shape of its parameters, issue a unit's all-gathers a
 subclass the all-gather comm, wrap a local tensor as a DTensor without autograd or a device move,
 replace a module's parameters as FSDP2 itself does, reach the default group's store, or make the
 elastic rendezvous's store listen on loopback, import the compiler ahead of a first
-``torch.compile``. Each need is one function here, named for what it
-does; nothing else in the tree names a private torch attribute or module
-(``tests/test_torch_private.py`` scans for the names of :data:`RELIED_ON`), and nothing else
-reads the attributes of FSDP2's private classes (``FSDPParam``, ``FSDPParamGroup``), public ones
-included: this module alone knows their shape.
+``torch.compile``, call a graph compiled ahead of time without dynamo's frame hook. Each need
+is one function here, named for what it does; nothing else in the tree names a private torch
+attribute or module (``tests/test_torch_private.py`` scans for the names of :data:`RELIED_ON`),
+and nothing else reads the attributes of FSDP2's private classes (``FSDPParam``,
+``FSDPParamGroup``), public ones included: this module alone knows their shape.
 
 Checked on torch 2.13.0 (this project's CPU build). pyproject.toml allows torch >=2.8,<2.15;
 other versions in that range are not verified here: :func:`check` is. It verifies that every
@@ -42,6 +42,8 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
     "torch.distributed.fsdp._fully_shard._fsdp_collectives": ("AllGather", "DefaultAllGather"),
     "torch._inductor.compile_fx": ("compile_fx",),
     "torch._inductor.cpu_vec_isa": ("pick_vec_isa",),
+    # (and its __post_init__'s own use of its dataclass field _artifacts, which a class lookup cannot see)
+    "torch._dynamo.aot_compile.AOTCompiledFunction": ("guard_check", "serialize", "deserialize", "_extra_globals"),
     # torch classes (dotted): methods called or overridden
     "torch.distributed.elastic.rendezvous.dynamic_rendezvous.DynamicRendezvousHandler": (
         "_create_tcp_store_server",),
@@ -270,6 +272,60 @@ def import_compiler(device_type: str) -> None:
     importlib.import_module("torch._inductor.compile_fx")
     if device_type == "cpu":
         importlib.import_module("torch._inductor.cpu_vec_isa").pick_vec_isa()
+
+
+class CompiledCall:
+    """One graph dynamo traced ahead of time (``torch.compile(fn, fullgraph=True).aot_compile``:
+    torch's precompile API) from example arguments, or loaded from where one was saved:
+    :attr:`call` is its generated code as a plain function of ``fn``'s arguments, run without
+    dynamo's frame hook or guards (the caller knows which graph fits a call); :meth:`fits`
+    evaluates its guards on other arguments (a traced graph's only: a loaded one has none)."""
+
+    def __init__(self, function, traced: bool):
+        self._function = function
+        self.traced = traced
+        self.call: Callable = function.fn
+
+    @classmethod
+    def trace(cls, compiled_fn: Callable, args: tuple, kwargs: dict) -> CompiledCall:
+        """``compiled_fn``: a ``torch.compile(fn, fullgraph=True)``; dynamo traces ``fn(*args, **kwargs)``
+        and inductor compiles the graph (its on-disk caches are not consulted: a saved graph is the cache)."""
+        return cls(compiled_fn.aot_compile((args, kwargs)), traced=True)
+
+    @classmethod
+    def load(cls, data: bytes, fn: Callable) -> CompiledCall:
+        """A graph of ``fn`` that :meth:`save` wrote (same torch; the caller keys what else it depends
+        on). Its guards are not rebuilt: they name the classes of the modules traced, and FSDP2 makes
+        a class of each wrapped module's in every process (``FSDPLlamaDecoderLayer``), which a later
+        process's guards do not find."""
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
+        class Unguarded(AOTCompiledFunction):
+            def __post_init__(self) -> None:  # AOTCompiledFunction's, less the guards' rebuild
+                self._artifacts.check_compatibility()
+                self.fn = self._artifacts.runtime_env.forward_callable(
+                    self._artifacts.backend_id, self._artifacts.compiled_fn, extra_globals=self._extra_globals)
+
+        return cls(Unguarded.deserialize(data, f_globals=fn.__globals__), traced=False)
+
+    def save(self) -> bytes:
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
+        return AOTCompiledFunction.serialize(self._function).serialized_data
+
+    def fits(self, *args, **kwargs) -> bool:
+        """Whether this traced graph's guards pass on these arguments (every one evaluated)."""
+        return self.traced and bool(self._function.guard_check(*args, **kwargs))
+
+
+def compiler_target(device_type: str) -> str:
+    """What inductor's code for ``device_type`` is built for: on CPU the vector ISA it picked (its
+    C++ kernels use it), on CUDA the device's compute capability."""
+    if device_type == "cpu":
+        return str(importlib.import_module("torch._inductor.cpu_vec_isa").pick_vec_isa())
+    if device_type == "cuda":
+        return "sm_%d%d" % torch.cuda.get_device_capability()
+    return device_type
 
 
 # check()

@@ -106,7 +106,8 @@ def _decode_eager_and_compiled(rank, world_size, paths, region):
             if mode == "compiled":
                 # the layers' graphs at a second thread count too (the host's, where cores follow the work)
                 own = torch.get_num_threads()
-                harness.engines[0].compile_decode(sizes=_sizes(), region=region, thread_counts=(own, own + 1))
+                harness.engines[0].compile_decode(sizes=_sizes(), region=region, thread_counts=(own, own + 1),
+                                                  graph_dir="")
                 graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             gen = torch.Generator().manual_seed(rank)
             prompts = [torch.randint(3, loaded.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 14, 21, 5)]
@@ -217,6 +218,50 @@ def test_compiled_decode_equals_eager_token_for_token(tmp_path, region):
                                               "compiled": 0, "every_step_fit_a_graph": True}, (family, got)
 
 
+def _share_out_warm_up(rank, world_size, path, graph_dir):
+    """The served model's layers' graphs warmed up by both ranks at once, shared out between them
+    (WarmUpPeers over the default group, as server.main does), then greedy tokens eagerly and compiled."""
+    import torch.distributed as dist
+
+    from loaders import load_hsdp_model
+    from server.engine.compiled import WarmUpPeers
+    from shard_engine import HSDPInferenceConfig, set_resident_units
+    from tests.test_engine import Harness
+
+    loaded = load_hsdp_model(path, HSDPInferenceConfig(), dtype=torch.float32)
+    set_resident_units(loaded.model, -1, shared=True)
+    got = {}
+    for mode in ("eager", "compiled"):
+        harness = Harness(loaded.model, blocks=64, block_size=4, prefill=32)
+        harness.scheduler.eos_token_ids = set()
+        if mode == "compiled":
+            harness.engines[0].compile_decode(sizes=_sizes(), region="layer", graph_dir=graph_dir,
+                                              peers=WarmUpPeers(rank, world_size, dist.barrier))
+            compiled = harness.engines[0].compiled
+            got["graphs"] = (compiled.graphs_compiled, compiled.graphs_loaded)
+        gen = torch.Generator().manual_seed(rank)
+        outs = [harness.submit(torch.randint(3, loaded.config.vocab_size, (n,), generator=gen).tolist(), 6)
+                for n in (9, 14, 21, 5, 11)]
+        harness.run(lambda: all(o["finish"] is not None or o["error"] for o in outs))
+        got[mode] = [o["tokens"] if o["error"] is None else o["error"] for o in outs]
+    set_resident_units(loaded.model, 0)
+    return got
+
+
+def test_the_ranks_of_a_host_share_out_the_layers_graphs(tmp_path):
+    """Two ranks warming up the same model share out its layers' graphs (three: sizes 1, 2 and the
+    open one from 4): each traces its share and saves it, waits for the other, and loads the rest;
+    greedy tokens equal eager's on both."""
+    from tests.checkpoints import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "llama", "llama")
+    graph_dir = str(tmp_path / "graphs")
+    got = values(run_ranks(_share_out_warm_up, 2, tmp_path, path, graph_dir, timeout=400))
+    for r in got:
+        assert r["compiled"] == r["eager"], r
+    assert [r["graphs"] for r in got] == [(2, 1), (1, 2)], got  # entries 0 and 2 traced by rank 0, 1 by rank 1
+
+
 def test_a_decode_step_is_padded_to_its_bucket_or_left_to_eager():
     """``CompiledDecode.pad``: a step's rows padded to the smallest bucket that holds them (padding
     rows at position 0 in the scratch block, the kept rows filled to the bucket's size); none
@@ -246,10 +291,11 @@ def test_a_decode_step_is_padded_to_its_bucket_or_left_to_eager():
             CompileSizes(static, open_from)
 
 
-def _layer_region_family(family: str) -> dict:
+def _layer_region_family(family: str, graph_dir: str) -> dict:
     """One family's tiny model in process, unsharded: greedy tokens eagerly, then with decode steps
     through compiled layers (``--compile-region layer``, the CPU default sizes ``1,2+``): three
-    sequences of different lengths (the batch shrinks 3, 2, 1), the graphs compiled at warm-up."""
+    sequences of different lengths (the batch shrinks 3, 2, 1), the graphs compiled (or loaded from
+    ``graph_dir``) at warm-up."""
     import torch._dynamo.utils
     from transformers import AutoModelForCausalLM
 
@@ -268,7 +314,7 @@ def _layer_region_family(family: str) -> dict:
         harness = Harness(model, blocks=64, block_size=4, prefill=64)
         harness.scheduler.eos_token_ids = set()
         if mode == "compiled":
-            harness.engines[0].compile_decode(sizes=COMPILE_BATCH_SIZES["cpu"], region="layer")
+            harness.engines[0].compile_decode(sizes=COMPILE_BATCH_SIZES["cpu"], region="layer", graph_dir=graph_dir)
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         outs = [harness.submit(p, 4 + 4 * i) for i, p in enumerate(prompts)]
         harness.run(lambda: all(o["finish"] is not None or o["error"] for o in outs))
@@ -276,7 +322,42 @@ def _layer_region_family(family: str) -> dict:
     compiled = harness.engines[0].compiled
     got["after_warm_up"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
     got["graphs"], got["batches"], got["fit"] = compiled.graphs_compiled, sorted(compiled.batches), compiled.skip_guards
+    got["loaded"] = compiled.graphs_loaded
     return got
+
+
+def test_compiled_layers_are_kept_on_disk_loaded_and_retraced_where_broken(tmp_path, caplog):
+    """The layers' graphs of a warm-up are saved (server.engine.graph_store); the next start loads
+    them instead of tracing (Gemma 2: two kinds of layer, each layer mapped to its kind's graph) and
+    decodes the same tokens; an entry whose graph does not load is dropped with a warning and traced
+    again; a model of another configuration does not find them."""
+    got = _layer_region_family("gemma2", graph_dir=str(tmp_path))
+    assert got["compiled"] == got["eager"] and (got["graphs"], got["loaded"]) == (4, 0), got
+    [key] = os.listdir(tmp_path)
+    entries = sorted(os.listdir(tmp_path / key))
+    assert entries == [f"{size}-{torch.get_num_threads()}" for size in (1, 2)], entries  # the static size, the open
+    again = _layer_region_family("gemma2", graph_dir=str(tmp_path))
+    assert again["compiled"] == got["eager"] and (again["graphs"], again["loaded"]) == (0, 4), again
+    broken = tmp_path / key / entries[0] / "graph-0.bin"
+    broken.write_bytes(b"not a graph")
+    with caplog.at_level("WARNING", logger="server.engine.graph_store"):
+        third = _layer_region_family("gemma2", graph_dir=str(tmp_path))
+    assert third["compiled"] == got["eager"] and (third["graphs"], third["loaded"]) == (2, 2), third
+    assert any("traced again: it does not load" in r.getMessage() for r in caplog.records), caplog.text
+    assert broken.read_bytes() != b"not a graph"  # saved anew
+    from transformers import AutoModelForCausalLM
+
+    from server.engine.graph_store import store_key
+    from tests.test_families import _config
+
+    keys = []
+    for eps in (1e-6, 1e-5):
+        config = _config("gemma2")
+        config.rms_norm_eps = eps
+        model = AutoModelForCausalLM.from_config(config)
+        keys.append(store_key(model, list(model.model.layers), "cpu", block_size=4))
+    assert keys[0] != keys[1] and keys[1] == store_key(model, list(model.model.layers), "cpu", block_size=4)
+    assert keys[1] != store_key(model, list(model.model.layers), "cpu", block_size=8)
 
 
 @pytest.mark.parametrize("family", SERVED_FAMILIES)
@@ -286,7 +367,7 @@ def test_compiled_layers_equal_eager_for_every_family(family):
     in the warm-up's graphs (the open one and the one-sequence one) and nothing compiled after
     it. A layer's graph is shared by the model's layers of its kind: two graphs a kind (one per
     size), at most two kinds (alternating windows) in these families."""
-    got = _layer_region_family(family)
+    got = _layer_region_family(family, graph_dir="")
     assert got["compiled"] == got["eager"], got
     assert got["after_warm_up"] == 0 and got["fit"], got
     assert {1, 2, 3} <= set(got["batches"]), got

@@ -5,14 +5,13 @@ prompt's log-probabilities) runs through ``torch.compile``'d code (inductor), wi
 out of the way (:class:`shard_engine.direct.DirectForward`). What one graph covers is
 ``--compile-region``:
 
-* ``layer`` (the default): a decoder layer. Every layer calls one compiled function of the layer
-  (:class:`_CompiledLayers`) with its own parameters and KV pools as the graph's inputs, so dynamo
-  traces one layer, not the model, and the model's layers of one kind (Gemma 2's windowed and
-  global layers: two kinds) share a graph. A start costs seconds more than eager's (SmolLM2's 30
-  layers, one process on one core: ~15 s with inductor's cache empty, ~2 s with it filled, against
-  ~130 s and ~13 s for the model's graph); the embeddings, final norm, head and masks run eagerly around
-  the layers, and each layer's call between graphs costs about 0.1 ms (dynamo's frame, guards and
-  runtime wrappers), which a real model's step hardly notices and a tiny one's does.
+* ``layer`` (the default): a decoder layer. Every layer calls a graph of one compiled function of
+  the layer (:class:`_CompiledLayers`) with its own parameters and KV pools as the graph's inputs,
+  so dynamo traces one layer, not the model, and the model's layers of one kind (Gemma 2's
+  windowed and global layers: two kinds) share a graph. The graphs are traced ahead of time and
+  called as plain functions (no dynamo frame or guards between layers), and kept on disk
+  (:mod:`server.engine.graph_store`): a second start loads them instead of tracing. The
+  embeddings, final norm, head and masks run eagerly around the layers.
 * ``model``: the whole forward, one call of generated code a step; the start traces and compiles
   every layer.
 
@@ -42,19 +41,20 @@ the reason at startup (:class:`CompileUnavailable`), as is a device or torch wit
 :meth:`CompiledDecode.warm_up` compiles every graph at startup, before any request is admitted
 (``/ready`` says ``compiling``), with decode forwards whose keys and values go to the first KV
 block, which nothing holds yet. Inductor keeps what it generated on disk
-(``TORCHINDUCTOR_CACHE_DIR``, by default under hsdp-serve's cache directory): a second start
-traces again but compiles less.
+(``TORCHINDUCTOR_CACHE_DIR``, by default under hsdp-serve's cache directory): a second start of
+the model's graph traces again but compiles less; the layers' graphs are kept beside it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -71,6 +71,16 @@ vary and kept symbolic (it is also marked dynamic on every call)."""
 
 class CompileUnavailable(RuntimeError):
     """``--compile decode`` cannot be served here; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmUpPeers:
+    """The processes of one host that warm up the same model at once (:meth:`CompiledDecode.warm_up`):
+    this one's ``index`` of ``count``, and ``wait()``, which returns once every one has called it."""
+
+    index: int
+    count: int
+    wait: Callable[[], None]
 
 
 def inductor_cache_dir() -> str:
@@ -108,14 +118,21 @@ def _layer_forward(layer: nn.Module, *args, **kwargs):
 
 class _CompiledLayers:
     """``--compile-region layer``: the model's decoder layers (``detect_decoder_layer_names``), each
-    run through one compiled function of the layer, so that dynamo traces a layer rather than the
-    model, and every layer of a kind reuses its graph (parameters are inputs of it: dynamo's
-    inlined modules). Within :meth:`installed`, each layer's ``forward`` is that function with its
-    own KV pools as the keyword :data:`server.engine.attention.LAYER_POOLS` (not found by its
-    ``layer_idx``, a constant that would make a graph of each); the rest of the model (embeddings,
-    final norm, head, masks) runs eagerly around them."""
+    run through a graph of one compiled function of the layer, so that dynamo traces a layer rather
+    than the model, and every layer of a kind shares its graph (parameters are inputs of it:
+    dynamo's inlined modules). Each layer's ``forward``, within :meth:`installed`, is its graph
+    with its own KV pools as the keyword :data:`server.engine.attention.LAYER_POOLS` (not found by
+    its ``layer_idx``, a constant that would make a graph of each); the rest of the model
+    (embeddings, final norm, head, masks) runs eagerly around them.
 
-    def __init__(self, model: nn.Module):
+    The graphs are traced ahead of time (:class:`shard_engine.torch_private.CompiledCall`) during
+    the warm-up (:attr:`compiling`): each layer's inputs at each graph size and thread count find
+    the graph whose guards pass on them, or trace one. After it, a layer calls its graph's code
+    directly: no dynamo frame, no guards (dynamo's frame hook, guards and wrappers cost a layer
+    ~0.1 ms a call on these cores), which is safe because :meth:`CompiledDecode.pad` admits only
+    steps of the sizes the warm-up ran and each layer calls the graph it was matched to."""
+
+    def __init__(self, model: nn.Module, store=None):
         from shard_engine.units import detect_decoder_layer_names
 
         self.layers: list[tuple[nn.Module, int]] = []  # (layer, its pools' index)
@@ -130,16 +147,59 @@ class _CompiledLayers:
         if not self.layers:
             raise CompileUnavailable("--compile-region layer: the model has no repeated decoder layers; "
                                      "--compile-region model compiles the whole forward instead")
-        self.compiled = torch.compile(_layer_forward, dynamic=False)
-        self.mark_rows = False  # the open graph's warm-up: the rows' dimension of each layer's inputs symbolic
+        self.compiled = torch.compile(_layer_forward, dynamic=False, fullgraph=True)
+        self.store = store  # a server.engine.graph_store.GraphStore, or None: every start traces
+        self.graphs: list = []  # the graphs traced in this process (CompiledCall), matched by their guards
+        self.assigned: dict[tuple[int, int], list] = {}  # (graph size, threads) -> each layer's graph
+        self.unchecked: set[int] = set()  # ids of loaded graphs not yet checked against eager
+        self.loaded = 0  # graphs loaded from the store by the last warm-up
+        self.calls: dict[tuple[int, int], list] = {}  # after the warm-up: each layer's graph's code
+        self.saved: set[tuple[int, int]] = set()  # the entries this warm-up saved
+        self.compiling = False  # the warm-up: each layer's inputs matched to a graph, or one traced
+        self.mark_rows = False  # ... of the open graph: the rows' dimension of each layer's inputs symbolic
+
+    def start_warm_up(self) -> None:
+        self.assigned, self.calls, self.unchecked, self.loaded, self.saved = {}, {}, set(), 0, set()
+        self.compiling = True
+
+    def loaded_whole(self, size: int, threads: int) -> bool:
+        """Whether every layer's graph at this entry was loaded from disk and has been checked."""
+        graphs = self.assigned.get((size, threads))
+        return bool(graphs) and all(g is not None and not g.traced and id(g) not in self.unchecked for g in graphs)
+
+    def save_traced(self) -> None:
+        """The entries traced in this warm-up and not yet saved, saved."""
+        for key, graphs in self.assigned.items():
+            if self.store is not None and key not in self.saved and any(g is not None and g.traced for g in graphs):
+                self.store.save(*key, graphs)
+                self.saved.add(key)
+
+    def end_warm_up(self, completed: bool) -> None:
+        """Each layer's graph's code from now on; the entries traced in this warm-up saved."""
+        self.compiling = False
+        if not completed:
+            return
+        self.save_traced()
+        self.calls = {key: [g.call for g in graphs] for key, graphs in self.assigned.items()}
 
     @contextlib.contextmanager
-    def installed(self, cache, threads: int) -> Iterator[None]:
-        """Within, each layer runs compiled, entered at ``threads`` (a count its graphs were compiled
-        at: :meth:`CompiledDecode.entry_threads`), reading and writing ``cache``'s pools."""
-        for layer, index in self.layers:  # object's setattr: nn.Module's checks cost 24 layers ~0.1 ms
-            object.__setattr__(layer, "forward", functools.partial(self._run, layer, threads,
-                                                                   (cache.keys[index], cache.values[index])))
+    def installed(self, cache, size: int, threads: int) -> Iterator[None]:
+        """Within, each layer runs its graph of ``size`` (a static batch, or the open size),
+        entered at ``threads`` (a count its graphs were compiled at: :meth:`CompiledDecode.entry_threads`),
+        reading and writing ``cache``'s pools."""
+        key = (size, threads)
+        if self.compiling and key not in self.assigned:
+            loaded = self.store.load(size, threads, _layer_forward, len(self.layers)) if self.store else None
+            self.assigned[key] = loaded or [None] * len(self.layers)
+            if loaded:
+                self.unchecked |= {id(g) for g in loaded}
+                self.loaded += len({id(g) for g in loaded})
+        calls = None if self.compiling else self.calls[key]
+        for i, (layer, index) in enumerate(self.layers):  # object's setattr: nn.Module's checks cost 24 layers ~0.1 ms
+            pools = (cache.keys[index], cache.values[index])
+            forward = (functools.partial(self._match, i, key, pools) if calls is None else
+                       functools.partial(_run_graph, calls[i], layer, threads, pools))
+            object.__setattr__(layer, "forward", forward)
         cache.pools_in_kwargs = True
         try:
             yield
@@ -148,12 +208,64 @@ class _CompiledLayers:
             for layer, _ in self.layers:
                 object.__delattr__(layer, "forward")
 
-    def _run(self, layer: nn.Module, threads: int, pools, *args, **kwargs):
+    def _match(self, i: int, key: tuple[int, int], pools, *args, **kwargs):
+        """The warm-up's call of layer ``i`` at ``key``: its loaded graph (checked against eager on
+        first use), else the traced graph whose guards pass on its inputs, traced now if none does."""
+        layer = self.layers[i][0]
         if self.mark_rows:
             _mark_rows(args, kwargs)
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        return self.compiled(layer, *args, **kwargs, **{LAYER_POOLS: pools})
+        kwargs[LAYER_POOLS] = pools
+        if torch.get_num_threads() != key[1]:
+            torch.set_num_threads(key[1])
+        graphs = self.assigned[key]
+        graph = graphs[i]
+        if graph is not None and not graph.traced:
+            if id(graph) in self.unchecked:
+                why = _disagreement(graph, layer, args, kwargs)
+                if why:
+                    self.store.drop(*key, f"decoder layer {i}'s graph {why}")
+                    self.unchecked -= {id(g) for g in graphs}
+                    graphs[:] = [None] * len(graphs)
+                    return self._match(i, key, pools, *args, **kwargs)
+                self.unchecked.discard(id(graph))
+            return graph.call(layer, *args, **kwargs)
+        fit = next((g for g in self.graphs if g.fits(layer, *args, **kwargs)), None)
+        if graph is not None and fit is not graph:
+            raise CompileUnavailable(f"--compile-region layer: the graph of decoder layer {i} ({type(layer).__name__}) "
+                                     "specializes on the context length; --compile-region model instead")
+        if fit is None:
+            from shard_engine.torch_private import CompiledCall
+
+            forward = vars(layer).pop("forward")  # this wrapper: not part of the layer's state that dynamo pickles
+            try:
+                fit = CompiledCall.trace(self.compiled, (layer, *args), kwargs)
+            finally:
+                object.__setattr__(layer, "forward", forward)
+            self.graphs.append(fit)
+        graphs[i] = fit
+        return fit.call(layer, *args, **kwargs)
+
+
+def _disagreement(graph, layer: nn.Module, args, kwargs) -> str | None:
+    """Why a loaded graph's output on a layer's warm-up inputs is not eager's (None: it is, to 1e-2
+    of its norm: a graph of other code is far off, or fails). Both write the same keys and values."""
+    expected = _layer_forward(layer, *args, **kwargs)
+    try:
+        got = graph.call(layer, *args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - a graph that fails is traced again
+        return f"fails ({type(e).__name__}: {e})"
+    expected, got = (x[0] if isinstance(x, tuple) else x for x in (expected, got))
+    if got.shape != expected.shape:
+        return f"computes {tuple(got.shape)}, eager {tuple(expected.shape)}"
+    error = float((got.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12))
+    return None if error <= 1e-2 else f"is {error:.2g} of the norm from eager"
+
+
+def _run_graph(call, layer: nn.Module, threads: int, pools, *args, **kwargs):
+    """A decoder layer's forward after the warm-up: its graph's code, entered at ``threads``."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return call(layer, *args, **kwargs, **{LAYER_POOLS: pools})
 
 
 def _mark_rows(args, kwargs) -> None:
@@ -179,7 +291,7 @@ class CompiledDecode:
     (same arguments, same output) over the padded rows. ``sizes``: the graphs, a
     :class:`server.config.CompileSizes`."""
 
-    def __init__(self, model: nn.Module, sizes, region: str = "layer"):
+    def __init__(self, model: nn.Module, sizes, region: str = "layer", graph_dir: str | None = None):
         from shard_engine.direct import DirectForward
 
         try:
@@ -188,11 +300,15 @@ class CompiledDecode:
             raise CompileUnavailable(f"--compile decode: {e} (every unit must be resident: --resident-units all, "
                                      "or auto on CPU ranks of one host)") from None
         self.sizes = sizes
+        self._model = model
+        self.graph_dir = None  # the layers' graphs on disk (server.engine.graph_store): "" for none
         if region == "model":
             self._layers = None
             self._compiled = torch.compile(model.forward, dynamic=False)
         elif region == "layer":
             self._layers = _CompiledLayers(model)
+            self.graph_dir = graph_dir if graph_dir is not None else os.path.join(inductor_cache_dir(),
+                                                                                   "hsdp-layer-graphs")
             self._compiled = model.forward  # eager around the layers
         else:
             raise ValueError(f"--compile-region: {region!r} is neither layer nor model")
@@ -204,6 +320,7 @@ class CompiledDecode:
         self.padded_rows = 0  # rows computed only to fill a bucket, warm-up included
         self.warm_up_padded_rows = 0  # ... of which the warm-up's
         self.batches: set[int] = set()  # the batches run compiled since the warm-up
+        self.graphs_loaded = 0  # the layers' graphs the last warm-up loaded from disk instead
         self.graphs_compiled = 0  # by the last warm-up (a graph per static size and the open one, unless
         # the model specialized on the open graph's batch)
 
@@ -245,19 +362,11 @@ class CompiledDecode:
         ``threads``: the intra-op threads its opaque ops run at (the plan's, :mod:`server.engine.cores`;
         0: the graphs' own count)."""
         self.calls += 1
+        batch = kwargs["input_ids"].shape[1]
         if self.warm:
-            self.batches.add(kwargs["input_ids"].shape[1])
-        layout = kwargs["hsdp_paged"]
-        decode = layout.decode
-        # the context length varies every step: symbolic (it only sizes the attention op's inputs)
-        for tensor, dim in ((decode.slots_SL, 1), (decode.valid_SL, 1), (decode.positions_L, 0)):
-            torch._dynamo.mark_dynamic(tensor, dim)
-        if self.sizes.in_open_graph(kwargs["input_ids"].shape[1]):
-            # the open graph's: the batch is symbolic in every input that has it
-            for tensor, dim in ((kwargs["input_ids"], 1), (kwargs["position_ids"], 1), (kwargs["logits_to_keep"], 0),
-                                (layout.slots_T, 0), (decode.rows_S, 0), (decode.slots_SL, 0), (decode.valid_SL, 0),
-                                (decode.contexts_S, 0)):
-                torch._dynamo.mark_dynamic(tensor, dim)
+            self.batches.add(batch)
+        if not self.warm or self._layers is None:  # dynamo traces (the layers' graphs: at warm-up only)
+            self._mark_dynamic(kwargs)
         try:
             with threads_inside(threads):
                 return self._call(kwargs, self.entry_threads(threads))
@@ -274,17 +383,37 @@ class CompiledDecode:
             with threads_inside(threads):
                 return self._call(kwargs, self.threads)
 
+    def _graph_size(self, batch: int) -> int:
+        """The size of the graph a padded step of ``batch`` rows runs in (the open size, for the open graph's)."""
+        return self.sizes.open_from if self.sizes.in_open_graph(batch) else batch
+
+    def _mark_dynamic(self, kwargs) -> None:
+        layout = kwargs["hsdp_paged"]
+        decode = layout.decode
+        # the context length varies every step: symbolic (it only sizes the attention op's inputs)
+        for tensor, dim in ((decode.slots_SL, 1), (decode.valid_SL, 1), (decode.positions_L, 0)):
+            torch._dynamo.mark_dynamic(tensor, dim)
+        if self.sizes.in_open_graph(kwargs["input_ids"].shape[1]):
+            # the open graph's: the batch is symbolic in every input that has it
+            for tensor, dim in ((kwargs["input_ids"], 1), (kwargs["position_ids"], 1), (kwargs["logits_to_keep"], 0),
+                                (layout.slots_T, 0), (decode.rows_S, 0), (decode.slots_SL, 0), (decode.valid_SL, 0),
+                                (decode.contexts_S, 0)):
+                torch._dynamo.mark_dynamic(tensor, dim)
+
     def _call(self, kwargs, entry_threads: int):
         # specialize_float: the modules' float attributes (norm epsilons, scales) are constants.
         # As symbolic floats, torch 2.13 traced every graph twice (its pass that turns them into
         # tensors gave up and restarted the analysis with them specialized).
+        if self._layers is not None:
+            size = self._graph_size(kwargs["input_ids"].shape[1])
+            tracing = (torch._dynamo.config.patch(specialize_float=True) if self._layers.compiling
+                       else contextlib.nullcontext())
+            with self._direct(), tracing, self._layers.installed(kwargs["cache"], size, entry_threads):
+                return self._compiled(**kwargs)
         # recompile_limit: a graph per static size and the open one (a recompile past it would run eagerly)
-        # (layers: a graph per size for each kind of layer, the model's layers of one kind sharing it)
-        limit = self.sizes.graphs * len(self.thread_counts) * (1 if self._layers is None else len(self._layers.layers)) + 1
-        layers = contextlib.nullcontext() if self._layers is None else self._layers.installed(kwargs["cache"],
-                                                                                               entry_threads)
+        limit = self.sizes.graphs + 1
         with self._direct(), torch._dynamo.config.patch(specialize_float=True, recompile_limit=limit), \
-                self._stance(), layers:
+                self._stance():
             return self._compiled(**kwargs)
 
     def _stance(self):
@@ -298,7 +427,8 @@ class CompiledDecode:
             return torch.compiler.set_stance("default")
         return torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=self.skip_guards)
 
-    def warm_up(self, cache, block_size: int, device: torch.device, thread_counts: tuple[int, ...] = ()) -> float:
+    def warm_up(self, cache, block_size: int, device: torch.device, thread_counts: tuple[int, ...] = (),
+                peers: WarmUpPeers | None = None) -> float:
         """Compile now: for every static size, decode forwards of one sequence at each of
         :data:`WARM_UP_CONTEXTS` (padded to the size, as a step would be); for the open size, one at
         that size and one at the next, so that the batch is seen to vary. Their keys and values go
@@ -307,7 +437,9 @@ class CompiledDecode:
         the model's graph at its own only: a set of them is a minute's compile). Returns the seconds
         it took; raises CompileUnavailable naming what failed. A model whose forward specializes on
         the open graph's batch (a graph per batch after all) is warned about: its other batches run
-        eagerly."""
+        eagerly. ``peers``: the processes of this host warming up the same model at the same time
+        (the ranks of one host), among which the layers' graphs are shared out: each compiles its
+        share and saves it, all wait for each other, and each loads the rest."""
         # the pools' slot count (the KV budget, sized from free memory at every start) as one
         # symbol: a graph of fixed sizes otherwise, whose cache on disk a new budget would miss
         for pool in cache.keys + cache.values:
@@ -316,24 +448,49 @@ class CompiledDecode:
             raise CompileUnavailable("--compile decode: the KV cache is too small to warm up in")
         self.warm = False  # every guard evaluated: a new pool (another engine's) compiles anew
         self.thread_counts = tuple(sorted({self.threads, *(thread_counts if self._layers is not None else ())}))
-        calls = [(bucket, context) for bucket in self.sizes.static for context in WARM_UP_CONTEXTS]
+        # each graph's warm-up calls: (bucket, context)
+        per_graph = [[(bucket, context) for context in WARM_UP_CONTEXTS] for bucket in self.sizes.static]
         if self.sizes.open_from is not None:
-            calls += [(self.sizes.open_from + i, context) for i, context in enumerate(WARM_UP_CONTEXTS)]
+            per_graph.append([(self.sizes.open_from + i, context) for i, context in enumerate(WARM_UP_CONTEXTS)])
+        entries = [(threads, calls) for threads in self.thread_counts for calls in per_graph]
+        parts = [entries]
+        if peers is not None and peers.count > 1 and self._layers is not None and self.graph_dir:
+            parts = [entries[peers.index::peers.count],
+                     [e for i, e in enumerate(entries) if i % peers.count != peers.index]]
         counter = torch._dynamo.utils.counters["stats"]
         graphs = counter["unique_graphs"]
+        if self._layers is not None:  # each layer matched to its graphs anew (this cache's pools)
+            if self.graph_dir and self._layers.store is None:
+                from server.engine.graph_store import GraphStore, store_key
+
+                self._layers.store = GraphStore(self.graph_dir, store_key(
+                    self._model, [layer for layer, _ in self._layers.layers], device.type, block_size))
+            self._layers.start_warm_up()
+            graphs = len(self._layers.graphs)
         specialized = []  # sizes whose second warm-up call compiled again: the forward specializes on what varied
         start = time.monotonic()
+        completed = False
         try:
-            for threads in self.thread_counts:
-                torch.set_num_threads(threads)
-                for i, (bucket, context) in enumerate(calls):
-                    before = counter["unique_graphs"]
-                    self._warm_up_call(cache, block_size, device, bucket, context, threads)
-                    if i % len(WARM_UP_CONTEXTS) and counter["unique_graphs"] > before:
-                        specialized.append(f"{bucket}+" if self.sizes.in_open_graph(bucket) else str(bucket))
+            for n, part in enumerate(parts):
+                if n:  # this process's share saved; the others' once every peer has saved its own
+                    self._layers.save_traced()
+                    peers.wait()
+                for threads, calls in part:
+                    torch.set_num_threads(threads)
+                    for i, (bucket, context) in enumerate(calls):
+                        if i and self._layers is not None and self._layers.loaded_whole(self._graph_size(bucket), threads):
+                            break  # graphs loaded and checked: nothing to see the context vary for
+                        before = counter["unique_graphs"]
+                        self._warm_up_call(cache, block_size, device, bucket, context, threads)
+                        if i and counter["unique_graphs"] > before:
+                            specialized.append(f"{bucket}+" if self.sizes.in_open_graph(bucket) else str(bucket))
+            completed = True
         finally:
             torch.set_num_threads(self.threads)
-        self.graphs_compiled = counter["unique_graphs"] - graphs
+            if self._layers is not None:
+                self._layers.end_warm_up(completed)
+        self.graphs_compiled = (counter["unique_graphs"] if self._layers is None else len(self._layers.graphs)) - graphs
+        self.graphs_loaded = 0 if self._layers is None else self._layers.loaded
         if specialized:
             logger.warning("compiled decode: the model's forward specializes on the context or the batch (%s compiled "
                            "again at their second warm-up step, %d graphs in all): steps of sizes not warmed up run "
@@ -359,6 +516,8 @@ class CompiledDecode:
                 self.forward(threads=threads, input_ids=torch.tensor([ids], device=device),
                              position_ids=torch.tensor([positions], device=device), cache=cache, use_cache=True,
                              logits_to_keep=torch.tensor(keep, device=device), hsdp_paged=layout)
+        except CompileUnavailable:
+            raise
         except Exception as e:
             raise CompileUnavailable(f"--compile decode: torch.compile failed ({type(e).__name__}: "
                                      f"{str(e).splitlines()[0] if str(e) else ''})") from e
