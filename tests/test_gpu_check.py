@@ -6,6 +6,7 @@ and that the report is written, so that the script works the first time a GPU is
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(out),
                            "--workdir", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor")))
     assert (out / "gpu_check.json").exists(), proc.stderr[-3000:]
     doc = json.loads((out / "gpu_check.json").read_text())
     failed = {name: p.get("error") for name, p in doc["phases"].items() if not p.get("ok")}
@@ -38,6 +39,8 @@ def test_gpu_check_dry_run(tmp_path):
     for region in compiled["regions"].values():  # float32: equal (the phase raises otherwise)
         assert region["tokens_equal_eager"] == region["of"] == 4 and region["graphs"] >= 2
         assert [r["concurrency"] for r in region["runs"]] == [1, 4] and region["compiled_steps"] > 0
+    layer = compiled["regions"]["layer"]  # a second warm-up loads what the first saved
+    assert layer["graphs_loaded"] == layer["graphs"], layer
     systems = {(r["concurrency"], r["system"]) for r in phases["decode"]["runs"]}
     assert systems == {(c, s) for c in (1, 4) for s in ("transformers generate", "engine, all resident",
                                                           "engine, none resident")}
