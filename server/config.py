@@ -333,10 +333,11 @@ class ServeConfig:
         "none: eager", "speed", choices=COMPILE_MODES)
     compile_region: str = option(
         "layer", "--compile decode: what one graph covers. layer: a decoder layer, one graph that every layer of a kind "
-        "shares (on 2 CPU cores a start takes about 15-20 s more than eager's the first time, 3-5 s with inductor's "
-        "cache filled); model: the whole forward, which saves a step the calls between the layers' graphs (about "
-        "0.1 ms a layer: the tiny 24-layer Llama's token 5.5 ms against 8.6 ms, SmolLM2's 45 against 49 ms) but "
-        "traces and compiles every layer (80-100 s more the first time, 16 s cached)", "speed",
+        "shares, called without dynamo between layers and kept on disk beside inductor's cache (on 2 CPU cores a "
+        "first start takes about 15-25 s more than eager's, shared out among a host's ranks; a later one 1-4 s more: "
+        "the graphs are loaded, not traced); model: the whole forward in one graph, which also compiles the "
+        "embeddings, masks and head around the layers but traces and compiles every layer at every start (80-100 s "
+        "more the first time, about 16 s with inductor's cache filled)", "speed",
         choices=COMPILE_REGIONS)
     compile_batch_sizes: CompileSizes | None = option(
         None, "--compile decode: the batch sizes a rank's decode step is padded to, a graph each, compiled "
