@@ -329,8 +329,9 @@ def _layer_region_family(family: str, graph_dir: str) -> dict:
 def test_compiled_layers_are_kept_on_disk_loaded_and_retraced_where_broken(tmp_path, caplog):
     """The layers' graphs of a warm-up are saved (server.engine.graph_store); the next start loads
     them instead of tracing (Gemma 2: two kinds of layer, each layer mapped to its kind's graph) and
-    decodes the same tokens; an entry whose graph does not load is dropped with a warning and traced
-    again; a model of another configuration does not find them."""
+    decodes the same tokens; an entry whose graph does not load, or loads and fails its check
+    against eager, is dropped with a warning and traced again; a model of another configuration
+    does not find them."""
     got = _layer_region_family("gemma2", graph_dir=str(tmp_path))
     assert got["compiled"] == got["eager"] and (got["graphs"], got["loaded"]) == (4, 0), got
     [key] = os.listdir(tmp_path)
@@ -345,6 +346,13 @@ def test_compiled_layers_are_kept_on_disk_loaded_and_retraced_where_broken(tmp_p
     assert third["compiled"] == got["eager"] and (third["graphs"], third["loaded"]) == (2, 2), third
     assert any("traced again: it does not load" in r.getMessage() for r in caplog.records), caplog.text
     assert broken.read_bytes() != b"not a graph"  # saved anew
+    for graph in (tmp_path / key / entries[0]).glob("graph-*.bin"):  # the one-sequence graphs as the open ones:
+        (tmp_path / key / entries[1] / graph.name).write_bytes(graph.read_bytes())  # they load, and fail its batch
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="server.engine.graph_store"):
+        fourth = _layer_region_family("gemma2", graph_dir=str(tmp_path))
+    assert fourth["compiled"] == got["eager"] and (fourth["graphs"], fourth["loaded"]) == (2, 4), fourth
+    assert any("decoder layer 0's graph fails" in r.getMessage() for r in caplog.records), caplog.text
     from transformers import AutoModelForCausalLM
 
     from server.engine.graph_store import store_key
