@@ -42,6 +42,8 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
     "torch.distributed.fsdp._fully_shard._fsdp_collectives": ("AllGather", "DefaultAllGather"),
     "torch._inductor.compile_fx": ("compile_fx",),
     "torch._inductor.cpu_vec_isa": ("pick_vec_isa",),
+    "torch._inductor.config": ("get_config_copy", "_compile_ignored_keys"),
+    "torch._dynamo.config": ("get_config_copy", "_compile_ignored_keys"),
     # (and its __post_init__'s own use of its dataclass field _artifacts, which a class lookup cannot see)
     "torch._dynamo.aot_compile.AOTCompiledFunction": ("guard_check", "serialize", "deserialize", "_extra_globals"),
     # torch classes (dotted): methods called or overridden
@@ -316,6 +318,32 @@ class CompiledCall:
     def fits(self, *args, **kwargs) -> bool:
         """Whether this traced graph's guards pass on these arguments (every one evaluated)."""
         return self.traced and bool(self._function.guard_check(*args, **kwargs))
+
+
+def compiler_settings() -> str:
+    """What else shapes the code inductor generates in this process: its own and dynamo's settings
+    (less those they mark as not affecting compiled code) and the float32 matmul precisions, as one
+    string that is the same in every process with the same settings (the configs' own hashes are
+    not: a set's order follows the process's hash seed)."""
+    parts = []
+    for name in ("torch._inductor.config", "torch._dynamo.config"):
+        config = importlib.import_module(name)
+        ignored = config._compile_ignored_keys
+        parts.append(sorted((key, _stable(value)) for key, value in config.get_config_copy().items()
+                            if key not in ignored))
+    parts.append([torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+                  torch.backends.cudnn.allow_tf32])
+    return repr(parts)
+
+
+def _stable(value) -> str:
+    if isinstance(value, (set, frozenset)):
+        return repr(sorted(map(_stable, value)))
+    if isinstance(value, dict):
+        return repr(sorted((_stable(k), _stable(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return repr([_stable(v) for v in value])
+    return repr(value)
 
 
 def compiler_target(device_type: str) -> str:

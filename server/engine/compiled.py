@@ -132,7 +132,7 @@ class _CompiledLayers:
     ~0.1 ms a call on these cores), which is safe because :meth:`CompiledDecode.pad` admits only
     steps of the sizes the warm-up ran and each layer calls the graph it was matched to."""
 
-    def __init__(self, model: nn.Module, store=None):
+    def __init__(self, model: nn.Module):
         from shard_engine.units import detect_decoder_layer_names
 
         self.layers: list[tuple[nn.Module, int]] = []  # (layer, its pools' index)
@@ -148,13 +148,13 @@ class _CompiledLayers:
             raise CompileUnavailable("--compile-region layer: the model has no repeated decoder layers; "
                                      "--compile-region model compiles the whole forward instead")
         self.compiled = torch.compile(_layer_forward, dynamic=False, fullgraph=True)
-        self.store = store  # a server.engine.graph_store.GraphStore, or None: every start traces
+        self.store = None  # a server.engine.graph_store.GraphStore (set by each warm-up), or None: none kept
         self.graphs: list = []  # the graphs traced in this process (CompiledCall), matched by their guards
-        self.assigned: dict[tuple[int, int], list] = {}  # (graph size, threads) -> each layer's graph
+        self.assigned: dict[tuple[str, int], list] = {}  # (graph: "1" or "2+", threads) -> each layer's graph
         self.unchecked: set[int] = set()  # ids of loaded graphs not yet checked against eager
         self.loaded = 0  # graphs loaded from the store by the last warm-up
-        self.calls: dict[tuple[int, int], list] = {}  # after the warm-up: each layer's graph's code
-        self.saved: set[tuple[int, int]] = set()  # the entries this warm-up saved
+        self.calls: dict[tuple[str, int], list] = {}  # after the warm-up: each layer's graph's code
+        self.saved: set[tuple[str, int]] = set()  # the entries this warm-up saved
         self.compiling = False  # the warm-up: each layer's inputs matched to a graph, or one traced
         self.mark_rows = False  # ... of the open graph: the rows' dimension of each layer's inputs symbolic
 
@@ -162,9 +162,9 @@ class _CompiledLayers:
         self.assigned, self.calls, self.unchecked, self.loaded, self.saved = {}, {}, set(), 0, set()
         self.compiling = True
 
-    def loaded_whole(self, size: int, threads: int) -> bool:
+    def loaded_whole(self, graph: str, threads: int) -> bool:
         """Whether every layer's graph at this entry was loaded from disk and has been checked."""
-        graphs = self.assigned.get((size, threads))
+        graphs = self.assigned.get((graph, threads))
         return bool(graphs) and all(g is not None and not g.traced and id(g) not in self.unchecked for g in graphs)
 
     def save_traced(self) -> None:
@@ -183,13 +183,13 @@ class _CompiledLayers:
         self.calls = {key: [g.call for g in graphs] for key, graphs in self.assigned.items()}
 
     @contextlib.contextmanager
-    def installed(self, cache, size: int, threads: int) -> Iterator[None]:
-        """Within, each layer runs its graph of ``size`` (a static batch, or the open size),
-        entered at ``threads`` (a count its graphs were compiled at: :meth:`CompiledDecode.entry_threads`),
-        reading and writing ``cache``'s pools."""
-        key = (size, threads)
+    def installed(self, cache, graph: str, threads: int) -> Iterator[None]:
+        """Within, each layer runs its ``graph`` (:meth:`CompiledDecode._graph_of`: a static size,
+        ``"1"``, or the open one, ``"2+"``), entered at ``threads`` (a count its graphs were compiled
+        at: :meth:`CompiledDecode.entry_threads`), reading and writing ``cache``'s pools."""
+        key = (graph, threads)
         if self.compiling and key not in self.assigned:
-            loaded = self.store.load(size, threads, _layer_forward, len(self.layers)) if self.store else None
+            loaded = self.store.load(graph, threads, _layer_forward, len(self.layers)) if self.store else None
             self.assigned[key] = loaded or [None] * len(self.layers)
             if loaded:
                 self.unchecked |= {id(g) for g in loaded}
@@ -208,7 +208,7 @@ class _CompiledLayers:
             for layer, _ in self.layers:
                 object.__delattr__(layer, "forward")
 
-    def _match(self, i: int, key: tuple[int, int], pools, *args, **kwargs):
+    def _match(self, i: int, key: tuple[str, int], pools, *args, **kwargs):
         """The warm-up's call of layer ``i`` at ``key``: its loaded graph (checked against eager on
         first use), else the traced graph whose guards pass on its inputs, traced now if none does."""
         layer = self.layers[i][0]
@@ -224,7 +224,9 @@ class _CompiledLayers:
                 why = _disagreement(graph, layer, args, kwargs)
                 if why:
                     self.store.drop(*key, f"decoder layer {i}'s graph {why}")
-                    self.unchecked -= {id(g) for g in graphs}
+                    dropped = {id(g) for g in graphs}
+                    self.unchecked -= dropped
+                    self.loaded -= len(dropped)
                     graphs[:] = [None] * len(graphs)
                     return self._match(i, key, pools, *args, **kwargs)
                 self.unchecked.discard(id(graph))
@@ -232,7 +234,8 @@ class _CompiledLayers:
         fit = next((g for g in self.graphs if g.fits(layer, *args, **kwargs)), None)
         if graph is not None and fit is not graph:
             raise CompileUnavailable(f"--compile-region layer: the graph of decoder layer {i} ({type(layer).__name__}) "
-                                     "specializes on the context length; --compile-region model instead")
+                                     "specializes on the context length or the open graph's batch; "
+                                     "--compile-region model instead")
         if fit is None:
             from shard_engine.torch_private import CompiledCall
 
@@ -316,8 +319,10 @@ class CompiledDecode:
             raise ValueError(f"--compile-region: {region!r} is neither layer nor model")
         self.calls = 0  # decode forwards run compiled, warm-up included
         self.warm = False
-        self.skip_guards = True  # after the warm-up (:meth:`_stance`); off for good after a call no graph fit
-        self.threads = torch.get_num_threads()  # the warm-up's: part of every graph's guards
+        # the model's graph: guards skipped after the warm-up (:meth:`_stance`); off for good after a
+        # call no graph fit (the layers' graphs are called without guards: pad() admits what they fit)
+        self.skip_guards = True
+        self.threads = torch.get_num_threads()  # the warm-up's: the count each graph is compiled at
         self.thread_counts = (self.threads,)  # the counts graphs were compiled at (warm_up's thread_counts)
         self.padded_rows = 0  # rows computed only to fill a bucket, warm-up included
         self.warm_up_padded_rows = 0  # ... of which the warm-up's
@@ -385,9 +390,10 @@ class CompiledDecode:
             with threads_inside(threads):
                 return self._call(kwargs, self.threads)
 
-    def _graph_size(self, batch: int) -> int:
-        """The size of the graph a padded step of ``batch`` rows runs in (the open size, for the open graph's)."""
-        return self.sizes.open_from if self.sizes.in_open_graph(batch) else batch
+    def _graph_of(self, batch: int) -> str:
+        """The graph a padded step of ``batch`` rows runs in: its static size (``"1"``), or the open one
+        (``"2+"``)."""
+        return f"{self.sizes.open_from}+" if self.sizes.in_open_graph(batch) else str(batch)
 
     def _mark_dynamic(self, kwargs) -> None:
         layout = kwargs["hsdp_paged"]
@@ -407,10 +413,10 @@ class CompiledDecode:
         # As symbolic floats, torch 2.13 traced every graph twice (its pass that turns them into
         # tensors gave up and restarted the analysis with them specialized).
         if self._layers is not None:
-            size = self._graph_size(kwargs["input_ids"].shape[1])
+            graph = self._graph_of(kwargs["input_ids"].shape[1])
             tracing = (torch._dynamo.config.patch(specialize_float=True) if self._layers.compiling
                        else contextlib.nullcontext())
-            with self._direct(), tracing, self._layers.installed(kwargs["cache"], size, entry_threads):
+            with self._direct(), tracing, self._layers.installed(kwargs["cache"], graph, entry_threads):
                 return self._compiled(**kwargs)
         # recompile_limit: a graph per static size and the open one (a recompile past it would run eagerly)
         limit = self.sizes.graphs + 1
@@ -437,17 +443,13 @@ class CompiledDecode:
         to block 0 of ``cache`` (free at startup). The layers' graphs are compiled at each of
         ``thread_counts`` besides the rank's own count (:func:`server.engine.cores.compiled_thread_counts`;
         the model's graph at its own only: a set of them is a minute's compile). Returns the seconds
-        it took; raises CompileUnavailable naming what failed. A model whose forward specializes on
-        the open graph's batch (a graph per batch after all) is warned about: its other batches run
-        eagerly. ``peers``: the processes of this host warming up the same model at the same time
-        (the ranks of one host), among which the layers' graphs are shared out: each compiles its
-        share and saves it, all wait for each other, and each loads the rest."""
-        # the pools' slot count (the KV budget, sized from free memory at every start) as one
-        # symbol: a graph of fixed sizes otherwise, whose cache on disk a new budget would miss
-        for pool in cache.keys + cache.values:
-            torch._dynamo.mark_dynamic(pool, 1)
-        if max(WARM_UP_CONTEXTS) > block_size * cache.num_blocks:
-            raise CompileUnavailable("--compile decode: the KV cache is too small to warm up in")
+        it took; raises CompileUnavailable naming what failed. The model's graph: a forward that
+        specializes on the open graph's batch (a graph per batch after all) is warned about, and its
+        other batches run eagerly; a layer's graph that does: refused (CompileUnavailable).
+        ``peers``: the processes warming up the same model at the same time (every rank, each with
+        its index and count among its host's), among which the layers' graphs are shared out on CPU:
+        each compiles its share of the entries and saves it, all wait at one barrier, and each loads
+        the rest. Every peer reaches the barrier once, a failing one too (then raises after it)."""
         self.warm = False  # every guard evaluated: a new pool (another engine's) compiles anew
         self.thread_counts = tuple(sorted({self.threads, *(thread_counts if self._layers is not None else ())}))
         # each graph's warm-up calls: (bucket, context)
@@ -455,38 +457,40 @@ class CompiledDecode:
         if self.sizes.open_from is not None:
             per_graph.append([(self.sizes.open_from + i, context) for i, context in enumerate(WARM_UP_CONTEXTS)])
         entries = [(threads, calls) for threads in self.thread_counts for calls in per_graph]
-        parts = [entries]
-        if peers is not None and peers.count > 1 and self._layers is not None and self.graph_dir:
-            parts = [entries[peers.index::peers.count],
-                     [e for i, e in enumerate(entries) if i % peers.count != peers.index]]
+        # shared out where the peers read one directory and the same graphs fit them all (a CUDA
+        # graph's code names its device): decided alike on every rank, so all reach the barrier
+        shared = (peers is not None and self._layers is not None and bool(self.graph_dir)
+                  and device.type == "cpu")
+        mine = entries[peers.index::peers.count] if shared else entries
+        rest = [e for i, e in enumerate(entries) if i % peers.count != peers.index] if shared else []
         counter = torch._dynamo.utils.counters["stats"]
         graphs = counter["unique_graphs"]
-        if self._layers is not None:  # each layer matched to its graphs anew (this cache's pools)
-            if self.graph_dir and self._layers.store is None:
-                from server.engine.graph_store import GraphStore, store_key
-
-                self._layers.store = GraphStore(self.graph_dir, store_key(
-                    self._model, [layer for layer, _ in self._layers.layers], device.type, block_size))
-            self._layers.start_warm_up()
-            graphs = len(self._layers.graphs)
-        specialized = []  # sizes whose second warm-up call compiled again: the forward specializes on what varied
+        specialized = []  # the model's graph: sizes whose second warm-up call compiled again
         start = time.monotonic()
-        completed = False
+        completed = waited = False
         try:
-            for n, part in enumerate(parts):
-                if n:  # this process's share saved; the others' once every peer has saved its own
-                    self._layers.save_traced()
-                    peers.wait()
-                for threads, calls in part:
-                    torch.set_num_threads(threads)
-                    for i, (bucket, context) in enumerate(calls):
-                        if i and self._layers is not None and self._layers.loaded_whole(self._graph_size(bucket), threads):
-                            break  # graphs loaded and checked: nothing to see the context vary for
-                        before = counter["unique_graphs"]
-                        self._warm_up_call(cache, block_size, device, bucket, context, threads)
-                        if i and counter["unique_graphs"] > before:
-                            specialized.append(f"{bucket}+" if self.sizes.in_open_graph(bucket) else str(bucket))
+            if max(WARM_UP_CONTEXTS) > block_size * cache.num_blocks:
+                raise CompileUnavailable("--compile decode: the KV cache is too small to warm up in")
+            # the pools' slot count (the KV budget, sized from free memory at every start) as one
+            # symbol: a graph of fixed sizes otherwise, whose cache on disk a new budget would miss
+            for pool in cache.keys + cache.values:
+                torch._dynamo.mark_dynamic(pool, 1)
+            if self._layers is not None:  # each layer matched to its graphs anew (this cache's pools)
+                self._layers.store = self._store(device, block_size)
+                self._layers.start_warm_up()
+                graphs = len(self._layers.graphs)
+            self._warm_up_entries(mine, cache, block_size, device, counter, specialized)
+            if shared:  # this process's share saved; the others' loaded once every peer has saved its own
+                self._layers.save_traced()
+                waited = True
+                peers.wait()
+            self._warm_up_entries(rest, cache, block_size, device, counter, specialized)
             completed = True
+        except BaseException:
+            if shared and not waited:  # the peers are not left waiting: they go on, and this rank fails
+                with contextlib.suppress(Exception):
+                    peers.wait()
+            raise
         finally:
             torch.set_num_threads(self.threads)
             if self._layers is not None:
@@ -500,6 +504,32 @@ class CompiledDecode:
         self.warm_up_padded_rows = self.padded_rows
         self.warm = True
         return time.monotonic() - start
+
+    def _warm_up_entries(self, entries, cache, block_size: int, device: torch.device, counter,
+                         specialized: list[str]) -> None:
+        for threads, calls in entries:
+            torch.set_num_threads(threads)
+            for i, (bucket, context) in enumerate(calls):
+                if i and self._layers is not None and self._layers.loaded_whole(self._graph_of(bucket), threads):
+                    break  # graphs loaded and checked: nothing to see the context vary for
+                before = counter["unique_graphs"]
+                self._warm_up_call(cache, block_size, device, bucket, context, threads)
+                if i and counter["unique_graphs"] > before:
+                    specialized.append(f"{bucket}+" if self.sizes.in_open_graph(bucket) else str(bucket))
+
+    def _store(self, device: torch.device, block_size: int):
+        """The layers' graphs on disk for this model, device and block size; None without (no
+        directory, or its key cannot be made: then each start traces, with a warning)."""
+        if not self.graph_dir:
+            return None
+        from server.engine.graph_store import GraphStore, store_key
+
+        try:
+            return GraphStore(self.graph_dir, store_key(self._model, [layer for layer, _ in self._layers.layers],
+                                                         device, block_size))
+        except Exception as e:  # noqa: BLE001 - the graphs serve this start either way
+            logger.warning("compiled decode: the layers' graphs will not be kept on disk (%s: %s)", type(e).__name__, e)
+            return None
 
     def _warm_up_call(self, cache, block_size: int, device: torch.device, bucket: int, context: int,
                       threads: int) -> None:
