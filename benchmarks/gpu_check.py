@@ -619,17 +619,20 @@ def _phase_compiled(p: dict, run: Run) -> None:
 
     p["eager"] = [throughput(state["engine"], c) for c in run.concurrency]
     regions = p["regions"] = {}
+    # the layers' graphs kept beside this run's checkpoint: the first warm-up traces, the second loads
+    graph_dir = os.path.join(os.path.dirname(run.path), f"layer-graphs-{os.getpid()}")
     for region in ("layer", "model"):
         if time.monotonic() > run.deadline:
             p["skipped"] = f"region {region} and after: past --budget-s"
             break
         engine = make_engine(state["ours"], device, kv)
-        r = regions[region] = {"warm_up_s": round(engine.compile_decode(sizes=sizes, region=region), 1),
+        r = regions[region] = {"warm_up_s": round(engine.compile_decode(sizes=sizes, region=region,
+                                                                        graph_dir=graph_dir), 1),
                                "graphs": engine.compiled.graphs_compiled}
         if region == "layer":  # a second start's warm-up: the layers' graphs loaded from disk; it serves below
             del engine
             engine = make_engine(state["ours"], device, kv)
-            r["warm_up_loaded_s"] = round(engine.compile_decode(sizes=sizes, region=region), 2)
+            r["warm_up_loaded_s"] = round(engine.compile_decode(sizes=sizes, region=region, graph_dir=graph_dir), 2)
             r["graphs_loaded"] = engine.compiled.graphs_loaded
         tokens = run_engine(engine, prompts, run.parity_new, kv_blocks=kv, prefill_tokens=prefill)["tokens"]
         r["tokens_equal_eager"] = sum(a == b for a, b in zip(tokens, eager_tokens))
