@@ -118,12 +118,12 @@ class GraphStore:
         (the next start traces again)."""
         entry = self._entry(graph, threads)
         numbers, unique = [], {}
-        for graph in graphs:
-            numbers.append(unique.setdefault(id(graph), (len(unique), graph))[0])
+        for compiled in graphs:
+            numbers.append(unique.setdefault(id(compiled), (len(unique), compiled))[0])
         try:
             os.makedirs(entry, exist_ok=True)
-            for n, graph in unique.values():
-                _write(os.path.join(entry, f"graph-{n}.bin"), graph.save())
+            for n, compiled in unique.values():
+                _write(os.path.join(entry, f"graph-{n}.bin"), compiled.save())
             _write(os.path.join(entry, "layers.json"), json.dumps(numbers).encode())
         except Exception as e:  # noqa: BLE001 - the graphs serve this start either way
             logger.warning("compiled decode: the layers' graphs at batch %s, %d threads not saved to %s (%s: %s)",
