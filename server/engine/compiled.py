@@ -152,15 +152,18 @@ class _CompiledLayers:
         self.graphs: list = []  # the graphs traced in this process (CompiledCall), matched by their guards
         self.assigned: dict[tuple[str, int], list] = {}  # (graph: "1" or "2+", threads) -> each layer's graph
         self.unchecked: set[int] = set()  # ids of loaded graphs not yet checked against eager
-        self.loaded = 0  # graphs loaded from the store by the last warm-up
         self.calls: dict[tuple[str, int], list] = {}  # after the warm-up: each layer's graph's code
         self.saved: set[tuple[str, int]] = set()  # the entries this warm-up saved
         self.compiling = False  # the warm-up: each layer's inputs matched to a graph, or one traced
         self.mark_rows = False  # ... of the open graph: the rows' dimension of each layer's inputs symbolic
 
     def start_warm_up(self) -> None:
-        self.assigned, self.calls, self.unchecked, self.loaded, self.saved = {}, {}, set(), 0, set()
+        self.assigned, self.calls, self.unchecked, self.saved = {}, {}, set(), set()
         self.compiling = True
+
+    def loaded(self) -> int:
+        """The graphs loaded from the store (and kept) by the last warm-up."""
+        return len({id(g) for graphs in self.assigned.values() for g in graphs if g is not None and not g.traced})
 
     def loaded_whole(self, graph: str, threads: int) -> bool:
         """Whether every layer's graph at this entry was loaded from disk and has been checked."""
@@ -191,9 +194,7 @@ class _CompiledLayers:
         if self.compiling and key not in self.assigned:
             loaded = self.store.load(graph, threads, _layer_forward, len(self.layers)) if self.store else None
             self.assigned[key] = loaded or [None] * len(self.layers)
-            if loaded:
-                self.unchecked |= {id(g) for g in loaded}
-                self.loaded += len({id(g) for g in loaded})
+            self.unchecked |= {id(g) for g in loaded or ()}
         calls = None if self.compiling else self.calls[key]
         for i, (layer, index) in enumerate(self.layers):  # object's setattr: nn.Module's checks cost 24 layers ~0.1 ms
             pools = (cache.keys[index], cache.values[index])
@@ -224,9 +225,7 @@ class _CompiledLayers:
                 why = _disagreement(graph, layer, args, kwargs)
                 if why:
                     self.store.drop(*key, f"decoder layer {i}'s graph {why}")
-                    dropped = {id(g) for g in graphs}
-                    self.unchecked -= dropped
-                    self.loaded -= len(dropped)
+                    self.unchecked -= {id(g) for g in graphs}
                     graphs[:] = [None] * len(graphs)
                     return self._match(i, key, pools, *args, **kwargs)
                 self.unchecked.discard(id(graph))
@@ -496,7 +495,7 @@ class CompiledDecode:
             if self._layers is not None:
                 self._layers.end_warm_up(completed)
         self.graphs_compiled = (counter["unique_graphs"] if self._layers is None else len(self._layers.graphs)) - graphs
-        self.graphs_loaded = 0 if self._layers is None else self._layers.loaded
+        self.graphs_loaded = 0 if self._layers is None else self._layers.loaded()
         if specialized:
             logger.warning("compiled decode: the model's forward specializes on the context or the batch (%s compiled "
                            "again at their second warm-up step, %d graphs in all): steps of sizes not warmed up run "
