@@ -234,7 +234,6 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
     ``(bytes read, resident bytes, KV blocks)``."""
     from server.engine import KVGeometry, RankEngine, size_kv_pool
     from server.engine.compiled import WarmUpPeers
-    from server.engine.cores import compiled_thread_counts, cores_follow_work
     from server.group.memory import MemoryReport, release_freed_memory, tensor_bytes
     from shard_engine import enable_forward_prefetch, enable_shared_memory_all_gather, shared_weights_of, \
         slots_for_depth, wire
@@ -264,13 +263,10 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
         if state is not None:
             state.set_phase("compiling")
         logger.info("compiling the decode forward (--compile decode)")
-        # each rank its own step group (every unit resident): the thread counts its plans may carry
-        follows = cores_follow_work(device.type, _weight_bytes(loaded.model), dist.get_world_size())
         index, count = _host_ranks()
-        counts = compiled_thread_counts(follows, torch.get_num_threads(), count)
         # the ranks of a host share out the layers' graphs (the same model's: the same graphs)
         seconds = engine.compile_decode(sizes=cfg.compile_batch_sizes_for(device.type), region=cfg.compile_region,
-                                        thread_counts=counts, peers=WarmUpPeers(index, count, dist.barrier))
+                                        peers=WarmUpPeers(index, count, dist.barrier))
         logger.info("decode forward compiled in %.1f s (%d graphs compiled, %d loaded from disk)", seconds,
                     engine.compiled.graphs_compiled, engine.compiled.graphs_loaded)
     release_freed_memory()

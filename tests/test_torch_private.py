@@ -95,3 +95,39 @@ def test_no_other_product_file_reaches_torch_private_api():
                 if name.endswith(".py") and os.path.relpath(path, REPO) != ALLOWED:
                     found += _findings(path, private)
     assert not found, "\n".join(found)
+
+
+def _scaled_rows(x, scale):
+    return (x * scale).sum(dim=1) + x.shape[0]
+
+
+def test_a_graph_traced_ahead_runs_as_plain_code_at_every_size_and_survives_a_save():
+    """CompiledCall: a graph of a symbolic batch, called as plain code (dynamo's helpers reached
+    without their ``_disable_dynamo`` wrappers: nothing of dynamo's frame hook runs), computes what
+    eager does at sizes it was not traced at, and so does the same graph saved and loaded."""
+    import torch
+
+    from shard_engine import torch_private
+
+    x = torch.randn(3, 4)
+    torch._dynamo.mark_dynamic(x, 0)
+    compiled = torch.compile(_scaled_rows, fullgraph=True, dynamic=False)
+    graph = torch_private.CompiledCall.trace(compiled, (x, 2.0), {})
+    # (its code reads the batch through torch._dynamo.utils.call_size)
+    assert isinstance(graph.call.__globals__[torch_private._DYNAMO_UTILS], torch_private._DynamoHelpers)
+    loaded = torch_private.CompiledCall.load(graph.save(), _scaled_rows)
+    calls = []
+    frames = torch._dynamo.eval_frame  # where a _disable_dynamo wrapper reads the stance from, at every call
+    real = frames._callback_from_stance
+    frames._callback_from_stance = lambda *a: (calls.append(a), real(*a))[1]
+    try:
+        for rows in (3, 5, 9):
+            y = torch.randn(rows, 4)
+            for g in (graph, loaded):
+                torch.testing.assert_close(g.call(y, 2.0), _scaled_rows(y, 2.0))
+    finally:
+        frames._callback_from_stance = real
+    # at most the compiled function's own entry, once a call; none of the helpers the code before it
+    # calls (three a call here: its batch's size and the profiler's marks), each a _disable_dynamo wrapper
+    assert len(calls) <= 6, len(calls)
+    assert not loaded.traced and graph.fits(torch.randn(7, 4), 2.0)

@@ -67,6 +67,17 @@ logger = logging.getLogger(__name__)
 WARM_UP_CONTEXTS = (5, 7)
 """The context lengths each graph's warm-up forwards run at: two, so that the context is seen to
 vary and kept symbolic (it is also marked dynamic on every call)."""
+INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False,
+                    "cpp.dynamic_threads": True}
+"""What inductor generates, beside its defaults (vLLM's CPU platform sets the first and the last):
+
+* its checks, on every call, of its inputs' sizes, strides, alignment and scalars left out: a layer
+  of the tiny Llama made 21 such calls, ~20 us of its ~190. A step's inputs are what its graph was
+  traced for by construction (:meth:`CompiledDecode.pad` admits only the sizes the warm-up ran, and
+  each layer calls the graph it was matched to);
+* CPU kernels that take the intra-op thread count when they run rather than hold the compile's as
+  a constant: one graph of a layer serves every count a plan carries (:mod:`server.engine.cores`),
+  where a set of graphs per count doubled a first start's traces."""
 
 
 class CompileUnavailable(RuntimeError):
@@ -147,34 +158,35 @@ class _CompiledLayers:
         if not self.layers:
             raise CompileUnavailable("--compile-region layer: the model has no repeated decoder layers; "
                                      "--compile-region model compiles the whole forward instead")
-        self.compiled = torch.compile(_layer_forward, dynamic=False, fullgraph=True)
+        self.compiled = torch.compile(_layer_forward, dynamic=False, fullgraph=True, options=INDUCTOR_OPTIONS)
         self.store = None  # a server.engine.graph_store.GraphStore (set by each warm-up), or None: none kept
         self.graphs: list = []  # the graphs traced in this process (CompiledCall), matched by their guards
-        self.assigned: dict[tuple[str, int], list] = {}  # (graph: "1" or "2+", threads) -> each layer's graph
+        self.assigned: dict[str, list] = {}  # graph ("1" or "2+") -> each layer's graph
         self.unchecked: set[int] = set()  # ids of loaded graphs not yet checked against eager
-        self.calls: dict[tuple[str, int], list] = {}  # after the warm-up: each layer's graph's code
-        self.saved: set[tuple[str, int]] = set()  # the entries this warm-up saved
+        self.calls: dict[str, list] = {}  # after the warm-up: each layer's graph's code
+        self.saved: set[str] = set()  # the graphs this warm-up saved
+        self.threads = 0  # the intra-op threads of the warm-up (what the store files its graphs under)
         self.compiling = False  # the warm-up: each layer's inputs matched to a graph, or one traced
         self.mark_rows = False  # ... of the open graph: the rows' dimension of each layer's inputs symbolic
 
-    def start_warm_up(self) -> None:
+    def start_warm_up(self, threads: int) -> None:
         self.assigned, self.calls, self.unchecked, self.saved = {}, {}, set(), set()
-        self.compiling = True
+        self.compiling, self.threads = True, threads
 
     def loaded(self) -> int:
         """The graphs loaded from the store (and kept) by the last warm-up."""
         return len({id(g) for graphs in self.assigned.values() for g in graphs if g is not None and not g.traced})
 
-    def loaded_whole(self, graph: str, threads: int) -> bool:
-        """Whether every layer's graph at this entry was loaded from disk and has been checked."""
-        graphs = self.assigned.get((graph, threads))
+    def loaded_whole(self, graph: str) -> bool:
+        """Whether every layer's ``graph`` was loaded from disk and has been checked."""
+        graphs = self.assigned.get(graph)
         return bool(graphs) and all(g is not None and not g.traced and id(g) not in self.unchecked for g in graphs)
 
     def save_traced(self) -> None:
-        """The entries traced in this warm-up and not yet saved, saved."""
+        """The graphs traced in this warm-up and not yet saved, saved."""
         for key, graphs in self.assigned.items():
             if self.store is not None and key not in self.saved and any(g is not None and g.traced for g in graphs):
-                self.store.save(*key, graphs)
+                self.store.save(key, self.threads, graphs)
                 self.saved.add(key)
 
     def end_warm_up(self, completed: bool) -> None:
@@ -188,11 +200,11 @@ class _CompiledLayers:
     @contextlib.contextmanager
     def installed(self, cache, graph: str, threads: int) -> Iterator[None]:
         """Within, each layer runs its ``graph`` (:meth:`CompiledDecode._graph_of`: a static size,
-        ``"1"``, or the open one, ``"2+"``), entered at ``threads`` (a count its graphs were compiled
-        at: :meth:`CompiledDecode.entry_threads`), reading and writing ``cache``'s pools."""
-        key = (graph, threads)
+        ``"1"``, or the open one, ``"2+"``), entered at ``threads`` (any count after the warm-up:
+        :data:`INDUCTOR_OPTIONS`), reading and writing ``cache``'s pools."""
+        key = graph
         if self.compiling and key not in self.assigned:
-            loaded = self.store.load(graph, threads, _layer_forward, len(self.layers)) if self.store else None
+            loaded = self.store.load(graph, self.threads, _layer_forward, len(self.layers)) if self.store else None
             self.assigned[key] = loaded or [None] * len(self.layers)
             self.unchecked |= {id(g) for g in loaded or ()}
         calls = None if self.compiling else self.calls[key]
@@ -209,22 +221,22 @@ class _CompiledLayers:
             for layer, _ in self.layers:
                 object.__delattr__(layer, "forward")
 
-    def _match(self, i: int, key: tuple[str, int], pools, *args, **kwargs):
+    def _match(self, i: int, key: str, pools, *args, **kwargs):
         """The warm-up's call of layer ``i`` at ``key``: its loaded graph (checked against eager on
         first use), else the traced graph whose guards pass on its inputs, traced now if none does."""
         layer = self.layers[i][0]
         if self.mark_rows:
             _mark_rows(args, kwargs)
         kwargs[LAYER_POOLS] = pools
-        if torch.get_num_threads() != key[1]:
-            torch.set_num_threads(key[1])
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         graphs = self.assigned[key]
         graph = graphs[i]
         if graph is not None and not graph.traced:
             if id(graph) in self.unchecked:
                 why = _disagreement(graph, layer, args, kwargs)
                 if why:
-                    self.store.drop(*key, f"decoder layer {i}'s graph {why}")
+                    self.store.drop(key, self.threads, f"decoder layer {i}'s graph {why}")
                     self.unchecked -= {id(g) for g in graphs}
                     graphs[:] = [None] * len(graphs)
                     return self._match(i, key, pools, *args, **kwargs)
@@ -308,7 +320,7 @@ class CompiledDecode:
         self.graph_dir = None  # the layers' graphs on disk (server.engine.graph_store): "" for none
         if region == "model":
             self._layers = None
-            self._compiled = torch.compile(model.forward, dynamic=False)
+            self._compiled = torch.compile(model.forward, dynamic=False, options=INDUCTOR_OPTIONS)
         elif region == "layer":
             self._layers = _CompiledLayers(model)
             self.graph_dir = graph_dir if graph_dir is not None else os.path.join(inductor_cache_dir(),
@@ -322,7 +334,6 @@ class CompiledDecode:
         # call no graph fit (the layers' graphs are called without guards: pad() admits what they fit)
         self.skip_guards = True
         self.threads = torch.get_num_threads()  # the warm-up's: the count each graph is compiled at
-        self.thread_counts = (self.threads,)  # the counts graphs were compiled at (warm_up's thread_counts)
         self.padded_rows = 0  # rows computed only to fill a bucket, warm-up included
         self.warm_up_padded_rows = 0  # ... of which the warm-up's
         self.batches: set[int] = set()  # the batches run compiled since the warm-up
@@ -358,10 +369,11 @@ class CompiledDecode:
         return True
 
     def entry_threads(self, threads: int) -> int:
-        """The intra-op threads a forward whose plan carries ``threads`` (0: none) is entered at: that
-        count where graphs were compiled at it (the layers' graphs, at each of ``thread_counts``),
-        else the count of the rank's own graphs (its opaque ops then switch to the plan's)."""
-        return threads if threads in self.thread_counts else self.threads
+        """The intra-op threads a forward whose plan carries ``threads`` (0: none) is entered at: the
+        layers' graphs at that count (their kernels take it when they run: :data:`INDUCTOR_OPTIONS`),
+        the model's graph at the count it was compiled at (dynamo guards on it; its opaque ops then
+        switch to the plan's: :func:`server.engine.cores.threads_inside`)."""
+        return (threads or self.threads) if self._layers is not None else self.threads
 
     def forward(self, threads: int = 0, **kwargs):
         """The model's forward over a padded decode step, entered at :meth:`entry_threads`;
@@ -434,14 +446,11 @@ class CompiledDecode:
             return torch.compiler.set_stance("default")
         return torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=self.skip_guards)
 
-    def warm_up(self, cache, block_size: int, device: torch.device, thread_counts: tuple[int, ...] = (),
-                peers: WarmUpPeers | None = None) -> float:
+    def warm_up(self, cache, block_size: int, device: torch.device, peers: WarmUpPeers | None = None) -> float:
         """Compile now: for every static size, decode forwards of one sequence at each of
         :data:`WARM_UP_CONTEXTS` (padded to the size, as a step would be); for the open size, one at
         that size and one at the next, so that the batch is seen to vary. Their keys and values go
-        to block 0 of ``cache`` (free at startup). The layers' graphs are compiled at each of
-        ``thread_counts`` besides the rank's own count (:func:`server.engine.cores.compiled_thread_counts`;
-        the model's graph at its own only: a set of them is a minute's compile). Returns the seconds
+        to block 0 of ``cache`` (free at startup), at the rank's intra-op thread count. Returns the seconds
         it took; raises CompileUnavailable naming what failed. The model's graph: a forward that
         specializes on the open graph's batch (a graph per batch after all) is warned about, and its
         other batches run eagerly; a layer's graph that does: refused (CompileUnavailable).
@@ -450,12 +459,11 @@ class CompiledDecode:
         each compiles its share of the entries and saves it, all wait at one barrier, and each loads
         the rest. Every peer reaches the barrier once, a failing one too (then raises after it)."""
         self.warm = False  # every guard evaluated: a new pool (another engine's) compiles anew
-        self.thread_counts = tuple(sorted({self.threads, *(thread_counts if self._layers is not None else ())}))
         # each graph's warm-up calls: (bucket, context)
         per_graph = [[(bucket, context) for context in WARM_UP_CONTEXTS] for bucket in self.sizes.static]
         if self.sizes.open_from is not None:
             per_graph.append([(self.sizes.open_from + i, context) for i, context in enumerate(WARM_UP_CONTEXTS)])
-        entries = [(threads, calls) for threads in self.thread_counts for calls in per_graph]
+        entries = [(self.threads, calls) for calls in per_graph]
         # shared out where the peers read one directory and the same graphs fit them all (a CUDA
         # graph's code names its device): decided alike on every rank, so all reach the barrier
         shared = (peers is not None and self._layers is not None and bool(self.graph_dir)
@@ -476,7 +484,7 @@ class CompiledDecode:
                 torch._dynamo.mark_dynamic(pool, 1)
             if self._layers is not None:  # each layer matched to its graphs anew (this cache's pools)
                 self._layers.store = self._store(device, block_size)
-                self._layers.start_warm_up()
+                self._layers.start_warm_up(self.threads)
                 graphs = len(self._layers.graphs)
             self._warm_up_entries(mine, cache, block_size, device, counter, specialized)
             if shared:  # this process's share saved; the others' loaded once every peer has saved its own
@@ -509,7 +517,7 @@ class CompiledDecode:
         for threads, calls in entries:
             torch.set_num_threads(threads)
             for i, (bucket, context) in enumerate(calls):
-                if i and self._layers is not None and self._layers.loaded_whole(self._graph_of(bucket), threads):
+                if i and self._layers is not None and self._layers.loaded_whole(self._graph_of(bucket)):
                     break  # graphs loaded and checked: nothing to see the context vary for
                 before = counter["unique_graphs"]
                 self._warm_up_call(cache, block_size, device, bucket, context, threads)

@@ -13,16 +13,15 @@ busy ranks use (``StepPlan.threads``): the host's cores over the ranks of that h
 never fewer than a rank's own share. The ranks apply it before an eager forward
 (``RankEngine._forward``: ``torch.set_num_threads``, which the matmuls follow at once).
 
-A compiled forward must be entered at the thread count its graphs were compiled at (the rank's
-own share): torch.compile guards on it (dynamo's global-state guard) and inductor's generated
-kernels hold it as a constant. Its opaque ops (the packed linears, the decode attention: most of
-a step's time) read the thread count when they run, so they follow the plan all the same: the
+Compiled layers (``--compile-region layer``, the default) are entered at the plan's count: their
+kernels take the thread count when they run (inductor's ``cpp.dynamic_threads``,
+``server.engine.compiled.INDUCTOR_OPTIONS``). The model's graph (``--compile-region model``) must
+be entered at the count it was compiled at (the rank's own share: torch.compile guards on it,
+dynamo's global-state guard); its opaque ops (the packed linears, the decode attention: most of a
+step's time) read the thread count when they run, so they follow the plan all the same: the
 compiled call runs inside :func:`threads_inside`, and the first of them to run switches to the
-plan's count (:func:`follow_threads`); the graph's own kernels keep theirs, and the next call is
-entered at the compiled count again. Compiled layers (``--compile-region layer``) have graphs at
-the plan's likely counts (:func:`compiled_thread_counts`) and are entered at the plan's count
-where it is one of them, since switching twice a layer costs more than the idle core gives. Two
-groups that plan at the same moment may
+plan's count (:func:`follow_threads`), and the next call is entered at the compiled count again.
+Two groups that plan at the same moment may
 both count the other idle: the host is oversubscribed for that one step, and each group's next
 plan counts again. GPU ranks are left as they are (their host threads feed a device), and so are
 models smaller than :data:`MIN_WEIGHT_BYTES`.
@@ -48,17 +47,6 @@ def cores_follow_work(device_type: str, weight_bytes: int, step_groups: int) -> 
     """Whether a busy rank takes its host's idle cores: CPU ranks, several step groups, a model
     of at least :data:`MIN_WEIGHT_BYTES`."""
     return device_type == "cpu" and step_groups > 1 and weight_bytes >= MIN_WEIGHT_BYTES
-
-
-def compiled_thread_counts(follows_work: bool, threads_per_rank: int, ranks_per_host: int) -> tuple[int, ...]:
-    """The intra-op thread counts a rank's compiled layers are warmed up at, a set of graphs each
-    (``--compile-region layer``): its own share, and where cores follow the work the host's cores
-    (what a rank alone with work gets). A layer's graph is entered at the plan's count where it
-    is one of these, so a step does not switch counts twice a layer (``torch.set_num_threads``
-    resizes OpenMP's pool: ~90 us a switch here, 5 ms a step at 30 layers); a count between them
-    (hosts of more than two ranks) enters at the rank's own and switches in the opaque ops."""
-    host = threads_per_rank * ranks_per_host
-    return (threads_per_rank, host) if follows_work and host > threads_per_rank else (threads_per_rank,)
 
 
 class HostCores:

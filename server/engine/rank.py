@@ -200,7 +200,8 @@ class RankEngine:
         forward = self.model
         if decode_only and self.compiled is not None and self.compiled.pad(ids, positions, items, keep,
                                                                            self.cache.scratch_block):
-            # entered at the thread count its graphs were compiled at; its opaque ops take the plan's
+            # the layers' graphs at the plan's threads; the model's graph at the count it was compiled at,
+            # its opaque ops at the plan's (server.engine.compiled.CompiledDecode.entry_threads)
             forward = functools.partial(self.compiled.forward, threads=threads)
             threads = self.compiled.entry_threads(threads)
         if threads and threads != torch.get_num_threads():
@@ -257,14 +258,13 @@ class RankEngine:
             results.append(TokenResult(seq.seq_id, token, logprob, top, stop=stop))
         return results
 
-    def compile_decode(self, compiled=None, sizes=None, region: str | None = None,
-                       thread_counts: tuple[int, ...] = (), graph_dir: str | None = None, peers=None) -> float:
+    def compile_decode(self, compiled=None, sizes=None, region: str | None = None, graph_dir: str | None = None,
+                       peers=None) -> float:
         """``--compile decode``: decode-only forwards that ``sizes`` (a CompileSizes; by default the
         device's) has a graph for from now on go through a compiled forward (:mod:`server.engine.compiled`,
         graphs of ``region``, by default ``--compile-region``'s; ``compiled``, a CompiledDecode of this
         engine's model that an earlier engine warmed up, or a new one), warmed up in this engine's KV
-        pool now (the layers' graphs at each of ``thread_counts`` too: the counts this rank's plans may
-        carry, :func:`server.engine.cores.compiled_thread_counts`); returns the seconds it took.
+        pool now; returns the seconds it took.
         ``graph_dir``: where the layers' graphs are kept between starts (:mod:`server.engine.graph_store`;
         by default beside inductor's cache, "" for nowhere); ``peers``: the ranks of this host warming
         up at once, which share the layers' graphs out (a :class:`server.engine.compiled.WarmUpPeers`).
@@ -275,7 +275,7 @@ class RankEngine:
         defaults = ServeConfig()
         compiled = compiled or CompiledDecode(self.model, sizes or defaults.compile_batch_sizes_for(self.device.type),
                                               region or defaults.compile_region, graph_dir=graph_dir)
-        seconds = compiled.warm_up(self.cache, self.block_size, self.device, thread_counts, peers=peers)
+        seconds = compiled.warm_up(self.cache, self.block_size, self.device, peers=peers)
         self.compiled = compiled
         return seconds
 
