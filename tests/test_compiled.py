@@ -357,12 +357,13 @@ def test_compiled_layers_are_kept_on_disk_loaded_and_retraced_where_broken(tmp_p
     assert any("traced again: it does not load" in r.getMessage() for r in caplog.records), caplog.text
     assert broken.read_bytes() != b"not a graph"  # saved anew
     for graph in (tmp_path / key / entries[0]).glob("graph-*.bin"):  # the one-sequence graphs as the open ones:
-        (tmp_path / key / entries[1] / graph.name).write_bytes(graph.read_bytes())  # they load, and fail its batch
+        (tmp_path / key / entries[1] / graph.name).write_bytes(graph.read_bytes())  # they load, and miss its batch
     caplog.clear()
     with caplog.at_level("WARNING", logger="server.engine.graph_store"):
         fourth = _layer_region_family("gemma2", graph_dir=str(tmp_path))
     assert fourth["compiled"] == got["eager"] and (fourth["graphs"], fourth["loaded"]) == (2, 2), fourth
-    assert any("decoder layer 0's graph fails" in r.getMessage() for r in caplog.records), caplog.text
+    # (its code, without inductor's size asserts, computes one row of the two: the check against eager sees it)
+    assert any("decoder layer 0's graph computes (1, 1, " in r.getMessage() for r in caplog.records), caplog.text
     from transformers import AutoModelForCausalLM
 
     from server.engine.graph_store import store_key

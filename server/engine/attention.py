@@ -29,12 +29,14 @@ A layer asking for anything else raises :class:`UnsupportedAttention`.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from server.engine.kernels import NO_SOFTCAP, NO_WINDOW, paged_decode, probabilities
+from server.engine.kernels import NO_SOFTCAP, NO_WINDOW, decode_one, paged_decode, probabilities
 
 ATTN_IMPLEMENTATION = "hsdp_paged"
 EXPLICIT_SCORES_BYTES = 64 << 20
@@ -48,6 +50,24 @@ attention function, which then writes the step's keys and values itself (the cac
 layer``) reaches its pools as inputs of its graph, one graph for every layer, rather than by its
 ``layer_idx``, a constant that would make a graph of each."""
 _UNSUPPORTED_KWARGS = ()  # every keyword an attention module passes is implemented or ignored
+_one_decode_inline = False  # within one_decode_inline()
+
+
+@contextlib.contextmanager
+def one_decode_inline() -> Iterator[None]:
+    """Within, a forward that dynamo traces and whose step decodes one sequence (a static batch of
+    one) computes that sequence's attention in torch ops the graph holds (``kernels.decode_one``)
+    instead of calling ``torch.ops.hsdp.paged_decode``: its gather and attention then run as the
+    graph's generated code, not as the op's Python (~10 aten calls, ~40 us a layer on these cores).
+    For the layers' graphs (``server.engine.compiled``, ``--compile-region layer``), which trace
+    one layer: the context is a symbolic size of one layer's graph there, not of a whole model's
+    (what made symbolic contexts cost minutes), and a sequence alone needs no context groups."""
+    global _one_decode_inline
+    _one_decode_inline = True
+    try:
+        yield
+    finally:
+        _one_decode_inline = False
 
 
 class UnsupportedAttention(NotImplementedError):
@@ -246,6 +266,13 @@ class _Variant:
 
 def _attend_decode(group: _DecodeGroup, query_HTd, key_HNd, value_HNd, scale: float, variant: _Variant,
                    out_THd) -> None:
+    if _one_decode_inline and torch.compiler.is_compiling() and _static_one(group.rows_S):
+        out = decode_one(query_HTd.index_select(1, group.rows_S), key_HNd, value_HNd, group.slots_SL,
+                         group.positions_L, group.contexts_S, float(scale),
+                         variant.window if variant.window is not None else NO_WINDOW,
+                         variant.softcap if variant.softcap is not None else NO_SOFTCAP, variant.sinks_H)
+        out_THd.index_copy_(0, group.rows_S, out)
+        return
     # one opaque op (torch.compile does not trace into it: see server.engine.kernels)
     out = paged_decode(
         query_HTd.index_select(1, group.rows_S), key_HNd, value_HNd, group.slots_SL, group.valid_SL,
@@ -253,6 +280,12 @@ def _attend_decode(group: _DecodeGroup, query_HTd, key_HNd, value_HNd, scale: fl
         variant.window if variant.window is not None else NO_WINDOW,
         variant.softcap if variant.softcap is not None else NO_SOFTCAP, variant.sinks_H)
     out_THd.index_copy_(0, group.rows_S, out)
+
+
+def _static_one(rows_S: torch.Tensor) -> bool:
+    """Whether a traced step's decode rows are one, as a static size (not the open graph's symbol)."""
+    rows = rows_S.shape[0]
+    return isinstance(rows, int) and rows == 1
 
 
 def _attend_chunk(chunk: _Chunk, query_HTd, key_HNd, value_HNd, scale: float, variant: _Variant, out_THd) -> None:

@@ -59,7 +59,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from server.engine.attention import LAYER_POOLS
+from server.engine.attention import LAYER_POOLS, one_decode_inline
 from server.engine.cores import threads_inside
 
 logger = logging.getLogger(__name__)
@@ -215,7 +215,9 @@ class _CompiledLayers:
             object.__setattr__(layer, "forward", forward)
         cache.pools_in_kwargs = True
         try:
-            yield
+            # traced (and guards evaluated) with a sequence alone's attention in its graph
+            with one_decode_inline() if self.compiling else contextlib.nullcontext():
+                yield
         finally:
             cache.pools_in_kwargs = False
             for layer, _ in self.layers:

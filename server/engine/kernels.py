@@ -137,6 +137,15 @@ def _attend(query_HSd, key_HNd, value_HNd, slots_SL, valid_SL, positions_L, cont
     return out.permute(1, 0, 2, 3).reshape(num_seqs, heads, value_dim).contiguous()
 
 
+def decode_one(query_HSd, key_HNd, value_HNd, slots_SL, positions_L, contexts_S, scale: float, window: int,
+               softcap: float, sinks_H) -> torch.Tensor:
+    """:func:`_paged_decode` of one sequence (``slots_SL`` [1, its context]: every slot valid) in
+    plain torch ops, for a compiled graph of one sequence to trace (``server.engine.attention``:
+    its gather and attention then run in the graph's code, not through the op's Python)."""
+    return _attend(query_HSd, key_HNd, value_HNd, slots_SL, None, positions_L, contexts_S, scale, window, softcap,
+                   sinks_H)
+
+
 def _paged_decode_fake(query_HSd, key_HNd, value_HNd, slots_SL, valid_SL, positions_L, contexts_S, scale, window,
                        softcap, sinks_H):
     heads, num_seqs, _ = query_HSd.shape
