@@ -266,19 +266,15 @@ class _Variant:
 
 def _attend_decode(group: _DecodeGroup, query_HTd, key_HNd, value_HNd, scale: float, variant: _Variant,
                    out_THd) -> None:
+    query_HSd = query_HTd.index_select(1, group.rows_S)
+    window = variant.window if variant.window is not None else NO_WINDOW
+    softcap = variant.softcap if variant.softcap is not None else NO_SOFTCAP
     if _one_decode_inline and torch.compiler.is_compiling() and _static_one(group.rows_S):
-        out = decode_one(query_HTd.index_select(1, group.rows_S), key_HNd, value_HNd, group.slots_SL,
-                         group.positions_L, group.contexts_S, float(scale),
-                         variant.window if variant.window is not None else NO_WINDOW,
-                         variant.softcap if variant.softcap is not None else NO_SOFTCAP, variant.sinks_H)
-        out_THd.index_copy_(0, group.rows_S, out)
-        return
-    # one opaque op (torch.compile does not trace into it: see server.engine.kernels)
-    out = paged_decode(
-        query_HTd.index_select(1, group.rows_S), key_HNd, value_HNd, group.slots_SL, group.valid_SL,
-        group.positions_L, group.contexts_S, float(scale),
-        variant.window if variant.window is not None else NO_WINDOW,
-        variant.softcap if variant.softcap is not None else NO_SOFTCAP, variant.sinks_H)
+        out = decode_one(query_HSd, key_HNd, value_HNd, group.slots_SL, group.positions_L, group.contexts_S,
+                         float(scale), window, softcap, variant.sinks_H)
+    else:  # one opaque op (torch.compile does not trace into it: see server.engine.kernels)
+        out = paged_decode(query_HSd, key_HNd, value_HNd, group.slots_SL, group.valid_SL, group.positions_L,
+                           group.contexts_S, float(scale), window, softcap, variant.sinks_H)
     out_THd.index_copy_(0, group.rows_S, out)
 
 

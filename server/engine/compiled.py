@@ -461,11 +461,10 @@ class CompiledDecode:
         each compiles its share of the entries and saves it, all wait at one barrier, and each loads
         the rest. Every peer reaches the barrier once, a failing one too (then raises after it)."""
         self.warm = False  # every guard evaluated: a new pool (another engine's) compiles anew
-        # each graph's warm-up calls: (bucket, context)
-        per_graph = [[(bucket, context) for context in WARM_UP_CONTEXTS] for bucket in self.sizes.static]
+        # the entries: each graph's warm-up calls, (bucket, context)
+        entries = [[(bucket, context) for context in WARM_UP_CONTEXTS] for bucket in self.sizes.static]
         if self.sizes.open_from is not None:
-            per_graph.append([(self.sizes.open_from + i, context) for i, context in enumerate(WARM_UP_CONTEXTS)])
-        entries = [(self.threads, calls) for calls in per_graph]
+            entries.append([(self.sizes.open_from + i, context) for i, context in enumerate(WARM_UP_CONTEXTS)])
         # shared out where the peers read one directory and the same graphs fit them all (a CUDA
         # graph's code names its device): decided alike on every rank, so all reach the barrier
         shared = (peers is not None and self._layers is not None and bool(self.graph_dir)
@@ -478,6 +477,7 @@ class CompiledDecode:
         start = time.monotonic()
         completed = waited = False
         try:
+            torch.set_num_threads(self.threads)  # every graph's (the layers' serve every count after it)
             if max(WARM_UP_CONTEXTS) > block_size * cache.num_blocks:
                 raise CompileUnavailable("--compile decode: the KV cache is too small to warm up in")
             # the pools' slot count (the KV budget, sized from free memory at every start) as one
@@ -516,13 +516,12 @@ class CompiledDecode:
 
     def _warm_up_entries(self, entries, cache, block_size: int, device: torch.device, counter,
                          specialized: list[str]) -> None:
-        for threads, calls in entries:
-            torch.set_num_threads(threads)
+        for calls in entries:
             for i, (bucket, context) in enumerate(calls):
                 if i and self._layers is not None and self._layers.loaded_whole(self._graph_of(bucket)):
                     break  # graphs loaded and checked: nothing to see the context vary for
                 before = counter["unique_graphs"]
-                self._warm_up_call(cache, block_size, device, bucket, context, threads)
+                self._warm_up_call(cache, block_size, device, bucket, context)
                 if i and counter["unique_graphs"] > before:
                     specialized.append(f"{bucket}+" if self.sizes.in_open_graph(bucket) else str(bucket))
 
@@ -540,9 +539,8 @@ class CompiledDecode:
             logger.warning("compiled decode: the layers' graphs will not be kept on disk (%s: %s)", type(e).__name__, e)
             return None
 
-    def _warm_up_call(self, cache, block_size: int, device: torch.device, bucket: int, context: int,
-                      threads: int) -> None:
-        """One warm-up forward: a sequence of ``context`` tokens padded to ``bucket``, entered at ``threads``."""
+    def _warm_up_call(self, cache, block_size: int, device: torch.device, bucket: int, context: int) -> None:
+        """One warm-up forward: a sequence of ``context`` tokens padded to ``bucket``, at the warm-up's threads."""
         from server.engine.attention import PagedLayout
 
         ids, positions, keep = [1], [context - 1], [0]
@@ -554,7 +552,7 @@ class CompiledDecode:
             self._layers.mark_rows = self.sizes.in_open_graph(bucket)
         try:
             with torch.no_grad():
-                self.forward(threads=threads, input_ids=torch.tensor([ids], device=device),
+                self.forward(threads=self.threads, input_ids=torch.tensor([ids], device=device),
                              position_ids=torch.tensor([positions], device=device), cache=cache, use_cache=True,
                              logits_to_keep=torch.tensor(keep, device=device), hsdp_paged=layout)
         except CompileUnavailable:
