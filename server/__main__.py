@@ -1,4 +1,15 @@
-from server.main import main
+"""``python -m server`` and ``hsdp-serve``: the ranks' fork server starts first, so that its imports
+(torch, transformers, the engine) overlap the launcher's own (``server.group.forkserver``)."""
+
+
+def run() -> None:
+    from server.group.forkserver import start
+
+    start()
+    from server.main import main
+
+    main()
+
 
 if __name__ == "__main__":
-    main()
+    run()

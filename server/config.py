@@ -451,7 +451,6 @@ ENVIRONMENT = {
     "HSDP_INJECT_FORWARD_DELAY": "fault drills only: RANK:SECONDS makes every forward of that rank this much slower",
     "HSDP_INJECT_LOAD_DELAY": "fault drills only: SECONDS of delay after each tensor a rank loads",
     "HSDP_INJECT_GRAMMAR_LIMITS": "fault drills only: llguidance parser limits (NAME=N,...) for every grammar",
-    "HSDP_SPAWN_TITLE": "set by the launcher for the ranks it spawns: their name in ps until they know their rank",
     "HSDP_DRY_RUN": "docker/entrypoint.sh: print the command it would run, and exit",
     "HSDP_NNODES": "docker/entrypoint.sh: nodes in the group; above 1 it starts torchrun",
     "HSDP_NODE_RANK": "docker/entrypoint.sh: this node's rank (0 serves HTTP)",

@@ -92,7 +92,7 @@ def _untitled(server) -> dict[int, str]:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "multiprocessing.spawn" in cmdline:
+        if "multiprocessing.spawn" in cmdline or "multiprocessing.forkserver" in cmdline:
             found[pid] = cmdline[:120]
     return found
 
@@ -318,8 +318,9 @@ def test_health_fails_while_a_step_group_is_stuck_with_work():
 # -- the server -------------------------------------------------------------------------------------
 
 def test_every_rank_is_named_from_its_start(served):
-    """A rank is named within moments of its interpreter starting (it took seconds of torch's
-    imports before: ``ps`` showed ``python3 -c from multiprocessing.spawn ...``)."""
+    """Every process of the group is named within moments of its start: the ranks' fork server
+    before its imports (``ps`` showed ``python3 -c from multiprocessing.forkserver ...``), the
+    ranks it forks as they start."""
     _, _, while_loading = served
     untitled_for = {pid: last - first for pid, (first, last) in while_loading["titles"].items()}
     assert all(s < 0.5 for s in untitled_for.values()), untitled_for

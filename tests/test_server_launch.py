@@ -184,3 +184,23 @@ def test_a_second_ctrl_c_stops_at_once(model_dir, tmp_path):
         assert wait_session_gone(serve.proc.pid) == []
     finally:
         serve.close()
+
+
+def test_a_forked_rank_sees_the_launchers_environment_and_the_agents_variables(monkeypatch):
+    """A rank forked by the fork server: the launcher's environment as it was at launch (what the
+    launcher set or dropped after the fork server started included), torch's agent's per-rank
+    variables kept, even where the launcher has a variable of the same name."""
+    from server.group import forkserver
+
+    fork_server = {"KEPT": "1", "DROPPED": "2", "MASTER_PORT": "111"}
+    rank = dict(fork_server, RANK="1", MASTER_PORT="222")  # what torch's agent set in the fork
+    monkeypatch.setattr(forkserver, "_FORK_SERVER", (os.getpid() + 1, fork_server))
+    monkeypatch.setattr(os, "environ", rank)
+    forkserver.apply_launcher_environment({"KEPT": "1", "LATER": "3", "MASTER_PORT": "111"})
+    assert rank == {"KEPT": "1", "LATER": "3", "RANK": "1", "MASTER_PORT": "222"}
+
+    unforked = {"RANK": "0", "SET": "x"}  # no fork server recorded itself: only what is unset is set
+    monkeypatch.setattr(forkserver, "_FORK_SERVER", None)
+    monkeypatch.setattr(os, "environ", unforked)
+    forkserver.apply_launcher_environment({"RANK": "9", "SET": "y", "NEW": "z"})
+    assert unforked == {"RANK": "0", "SET": "x", "NEW": "z"}

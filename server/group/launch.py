@@ -1,7 +1,8 @@
 """Start the model group: one process per rank on this node, or this process under torchrun.
 
-A user types one command. :func:`launch_group` either spawns ``nproc_per_node`` ranks through
-torch's elastic launcher (a c10d rendezvous on a localhost port the OS picks once) or, when
+A user types one command. :func:`launch_group` either starts ``nproc_per_node`` ranks through
+torch's elastic launcher (a c10d rendezvous on a localhost port the OS picks once; each rank a
+fork of the fork server, :mod:`server.group.forkserver`, which has imported what a rank needs) or, when
 this process already is a torchrun worker, runs the entrypoint right here, so several nodes
 work with one ``torchrun`` per node. Knows nothing of checkpoints or HTTP: the entrypoint
 does the work and calls :func:`init_rank` itself.
@@ -13,7 +14,7 @@ message; the local launcher's ranks need none (their store and gloo listen on lo
 A failed rank ends the whole group (``max_restarts=0``) and surfaces as one :class:`GroupError`
 whose text is one line; the traceback is logged at ``--log-level debug``.
 
-Signals: only the launcher decides when the group stops. Spawned ranks run in process groups
+Signals: only the launcher decides when the group stops. Its ranks run in process groups
 of their own (and die with the launcher), so a terminal's Ctrl-C, which reaches the whole
 foreground process group, reaches the launcher alone; the launcher passes SIGINT/SIGTERM on
 once, and a second one kills the ranks. Started by another program in the terminal's
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from server.group.forkserver import START_METHOD, apply_launcher_environment, ensure_running, launcher_environment
 from server.group.logs import _quiet_torch_loggers, configure_logging, set_process_title
 from server.group.process_group import close_rank, is_under_torchrun
 
@@ -56,19 +58,21 @@ class GroupError(RuntimeError):
 
 
 def _run_rank(entrypoint: Callable[..., Any], args: tuple, log_level: str | None, title: str | None = None,
-              detach: bool = False) -> Any:
+              launcher_env: dict[str, str] | None = None) -> Any:
     """Body of every rank: logging first, then the entrypoint; the group is closed on success.
 
     On failure the group is left to process exit: destroying it while peers may still sit in
-    a collective can block, and the launcher stops those peers anyway. ``detach``: a spawned
-    rank leaves the launcher's process group and dies with the launcher (see the module).
+    a collective can block, and the launcher stops those peers anyway. ``launcher_env``: a rank
+    forked by the fork server takes the launcher's environment, leaves the launcher's process
+    group and dies with the launcher (see the module).
     """
-    rank = int(os.environ.get("RANK", 0))
-    if detach:
+    if launcher_env is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores it; a rank must not
+        apply_launcher_environment(launcher_env)
         _detach_from_launcher()
+    rank = int(os.environ.get("RANK", 0))
     if title:
         set_process_title(f"{title} rank {rank}/{os.environ.get('WORLD_SIZE', '?')}")
-    os.environ.pop("HSDP_SPAWN_TITLE", None)  # this rank's own children are not ranks
     configure_logging(log_level, rank=rank)
     try:
         result = entrypoint(*args)
@@ -80,7 +84,8 @@ def _run_rank(entrypoint: Callable[..., Any], args: tuple, log_level: str | None
 
 
 def _detach_from_launcher() -> None:
-    """This rank's own process group, and SIGKILL when the launcher dies (Linux)."""
+    """This rank's own process group, and SIGKILL when its parent, the fork server, dies (Linux):
+    the fork server dies with the launcher (``server.group._rank_imports``)."""
     launcher = os.getppid()
     os.setpgid(0, 0)
     if sys.platform.startswith("linux"):
@@ -256,14 +261,6 @@ def _register_loopback_rendezvous() -> str:
     return _LOOPBACK_RDZV
 
 
-def _name_ranks_from_their_start(title: str) -> None:
-    """The ranks spawned from here are named as their interpreters start, before seconds of
-    imports (``server/group/_spawn_site/sitecustomize.py`` says how)."""
-    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_spawn_site")
-    os.environ["HSDP_SPAWN_TITLE"] = title
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
-
-
 def _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, shutdown_timeout_s, title) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -285,7 +282,8 @@ def _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, s
             rdzv_endpoint="",
             rdzv_configs={"join_timeout": rdzv_timeout_s},
             max_restarts=0,
-            start_method="spawn",  # fork after torch (or CUDA) is initialised is unsafe
+            # forks of a process that has imported and computed nothing (server.group.forkserver)
+            start_method=START_METHOD,
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
             **_supported_fields(
                 LaunchConfig,
@@ -297,11 +295,11 @@ def _launch_local(entrypoint, args, nproc_per_node, log_level, rdzv_timeout_s, s
         logger.debug("launching %d rank(s), run id %s", nproc_per_node, config.run_id)
         if sys.platform.startswith("linux"):  # gloo's own sockets on loopback too (the ranks inherit it)
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        if title:
-            _name_ranks_from_their_start(f"{title} rank (starting)")
+        ensure_running()  # started already by `python -m server`, its imports overlapping ours
         with _passing_stop_signals_to_ranks(shutdown_timeout_s) as received:
             try:
-                results = elastic_launch(config, _run_rank)(entrypoint, args, log_level, title, True)
+                results = elastic_launch(config, _run_rank)(entrypoint, args, log_level, title,
+                                                            launcher_environment())
             except ChildFailedError as e:
                 error = _summarize_failures(e.failures)
                 if received:

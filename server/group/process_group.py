@@ -21,17 +21,10 @@ import torch
 import torch.distributed as dist
 
 from server.config import DEVICE_TYPES, read_secret_file
+from server.group.forkserver import is_under_torchrun
 from shard_engine.torch_private import default_store
 
 logger = logging.getLogger(__name__)
-
-_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
-def is_under_torchrun() -> bool:
-    """Whether this process is a worker that torchrun (or another elastic agent) started."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or all(name in os.environ for name in _TORCHRUN_ENV)
-
 
 def resolve_world_size(nproc_per_node: int) -> int:
     """The group's world size: torchrun's under torchrun, else ``nproc_per_node`` on this node."""
