@@ -49,8 +49,9 @@ def test_schema_fuzz_finds_no_server_error(tmp_path):
     import schemathesis
 
     path = write_checkpoint(tmp_path / "llama", "llama")
-    # a slowed load (50 ms a tensor): a first pass runs while the model loads
-    server = ServerProcess(path, log_path=tmp_path / "log", env={"HSDP_INJECT_LOAD_DELAY": "0.05"},
+    # a slowed load (200 ms a tensor, ~7 s in all: the ranks start with their imports done, so the
+    # load is all that is left of a start), so that a first pass runs while the model loads
+    server = ServerProcess(path, log_path=tmp_path / "log", env={"HSDP_INJECT_LOAD_DELAY": "0.2"},
                            extra_args=("--max-total-tokens", "64", "--api-key", KEY))
     try:
         def health_answers() -> bool:
