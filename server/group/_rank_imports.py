@@ -4,9 +4,8 @@ drains the ranks, whose parent this is), dies with the launcher, then imports wh
 Nothing here computes: no CUDA, no OpenMP threads, no process group."""
 
 import signal
-import sys
 
-from server.group.forkserver import record_fork_server
+from server.group.forkserver import die_with_parent, record_fork_server
 
 record_fork_server()
 
@@ -17,11 +16,7 @@ try:
 except ImportError:
     pass
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-if sys.platform.startswith("linux"):
-    import ctypes
-
-    _PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+die_with_parent()
 
 # What a rank imports before its first tensor, heaviest first: torch, the config and the loaders
 # (server.main); transformers' models (the masking utilities bring torch._dynamo); the HTTP stack

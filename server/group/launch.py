@@ -41,7 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from server.group.forkserver import START_METHOD, apply_launcher_environment, ensure_running, launcher_environment
+from server.group.forkserver import (START_METHOD, apply_launcher_environment, die_with_parent, ensure_running,
+                                     launcher_environment)
 from server.group.logs import _quiet_torch_loggers, configure_logging, set_process_title
 from server.group.process_group import close_rank, is_under_torchrun
 
@@ -86,15 +87,10 @@ def _run_rank(entrypoint: Callable[..., Any], args: tuple, log_level: str | None
 def _detach_from_launcher() -> None:
     """This rank's own process group, and SIGKILL when its parent, the fork server, dies (Linux):
     the fork server dies with the launcher (``server.group._rank_imports``)."""
-    launcher = os.getppid()
+    parent = os.getppid()
     os.setpgid(0, 0)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != launcher:  # the launcher died before the request took effect
-            os._exit(1)
+    if die_with_parent() and os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
 
 
 @contextlib.contextmanager
