@@ -6,10 +6,10 @@ unit's param group and the shape of its parameters, issue a unit's all-gathers a
 subclass the all-gather comm, wrap a local tensor as a DTensor without autograd or a device move,
 replace a module's parameters as FSDP2 itself does, reach the default group's store, or make the
 elastic rendezvous's store listen on loopback, import the compiler ahead of a first
-``torch.compile``, call a graph compiled ahead of time without dynamo's frame hook. Each need
-is one function here, named for what it does; nothing else in the tree names a private torch
-attribute or module (``tests/test_torch_private.py`` scans for the names of :data:`RELIED_ON`),
-and nothing else reads the attributes of FSDP2's private classes (``FSDPParam``,
+``torch.compile``, call a graph compiled ahead of time without dynamo's frame hook or AOTAutograd's
+runtime wrapper. Each need is one function here, named for what it does; nothing else in the tree
+names a private torch attribute or module (``tests/test_torch_private.py`` scans for the names of
+:data:`RELIED_ON`), and nothing else reads the attributes of FSDP2's private classes (``FSDPParam``,
 ``FSDPParamGroup``), public ones included: this module alone knows their shape.
 
 Checked on torch 2.13.0 (this project's CPU build). pyproject.toml allows torch >=2.8,<2.15;
@@ -23,6 +23,7 @@ name each time it is used.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 from collections.abc import Callable, Sequence
@@ -42,6 +43,7 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
     "torch.distributed.fsdp._fully_shard._fsdp_collectives": ("AllGather", "DefaultAllGather"),
     "torch._inductor.compile_fx": ("compile_fx",),
     "torch._inductor.cpu_vec_isa": ("pick_vec_isa",),
+    "torch._inductor.output_code": ("CompiledFxGraph",),  # its current_callable: CompiledCall.go_direct
     "torch._inductor.config": ("get_config_copy", "_compile_ignored_keys"),
     "torch._dynamo.config": ("get_config_copy", "_compile_ignored_keys"),
     "torch._dynamo.utils": ("call_size",),  # and whatever else dynamo's code reads of it: _DynamoHelpers
@@ -288,6 +290,8 @@ class CompiledCall:
         self._function = function
         self.traced = traced
         self.call: Callable = _without_dynamo_wrappers(function.fn)
+        self.wrapped: str | None = None  # after go_direct: why calls still go through the wrapper
+        self.direct_tried = False
 
     @classmethod
     def trace(cls, compiled_fn: Callable, args: tuple, kwargs: dict) -> CompiledCall:
@@ -319,6 +323,97 @@ class CompiledCall:
     def fits(self, *args, **kwargs) -> bool:
         """Whether this traced graph's guards pass on these arguments (every one evaluated)."""
         return self.traced and bool(self._function.guard_check(*args, **kwargs))
+
+    def go_direct(self, args: tuple, kwargs: dict, output) -> str | None:
+        """From now on :attr:`call` enters inductor's generated code directly, past AOTAutograd's
+        runtime wrapper and inductor's ``OutputCode`` call (~20 us a call of a tiny Llama layer on
+        these cores, of ~130), where the wrapper has nothing to do for this graph: an inference graph
+        (no backward, no tensor subclass) whose input mutations are all inside the graph (the KV
+        writes), none of whose outputs alias an input or another output, and that leaves grad mode
+        as it found it. Dynamo's code before the graph stays: it gathers the graph's inputs. With
+        grad enabled (never in a step) a call goes through the wrapper, which turns grad off.
+        Checked here: ``args``/``kwargs`` called again (the caller has just called :attr:`call` on
+        them and got ``output``; a second call writes the same keys and values) must give ``output``
+        bit for bit, else the wrapper stays. Returns why it stays, None where it went (also kept
+        in :attr:`wrapped`); once per graph: a later call returns the first answer."""
+        if not self.direct_tried:
+            self.direct_tried = True
+            self.wrapped = self._go_direct(args, kwargs, output)
+        return self.wrapped
+
+    def _go_direct(self, args: tuple, kwargs: dict, output) -> str | None:
+        fn = self.call
+        names = [name for name in fn.__code__.co_names if name.startswith("__compiled_fn")]
+        if len(names) != 1:
+            return f"dynamo's code calls {len(names)} graphs"
+        backend = fn.__globals__[names[0]]
+        try:
+            entry = backend.serialize()  # AOTAutograd's result: what the runtime wrapper was built from
+            meta = entry.runtime_metadata
+            kept = {"a backward": entry.compiled_bw is not None,
+                    "tensor subclasses": entry.maybe_subclass_meta is not None,
+                    "input mutations outside the graph": meta.num_mutated_inp_runtime_indices > 0,
+                    "outputs aliasing inputs": meta.num_outputs_aliased > 0 or meta.num_intermediate_bases > 0,
+                    "a change of grad mode": meta.grad_enabled_mutation is not None}
+        except Exception as e:  # noqa: BLE001 - another torch's layout: the wrapper stays
+            return f"its AOTAutograd metadata is not readable ({type(e).__name__}: {e})"
+        if any(kept.values()):
+            return "the graph has " + ", ".join(why for why, found in kept.items() if found)
+        graphs = _compiled_fx_graphs(backend)
+        if len(graphs) != 1:
+            return f"{len(graphs)} inductor graphs found behind its wrapper"
+        code = graphs[0].current_callable
+
+        def direct(*graph_args):
+            if torch.is_grad_enabled():
+                return backend(*graph_args)
+            return code(list(graph_args))
+
+        fn.__globals__[names[0]] = direct
+        try:
+            again = fn(*args, **kwargs)
+            why = _differs(output, again)
+        except Exception as e:  # noqa: BLE001 - the wrapper stays
+            why = f"fails ({type(e).__name__}: {e})"
+        if why:
+            fn.__globals__[names[0]] = backend
+            return f"called directly, it {why}"
+        return None
+
+
+def _compiled_fx_graphs(root) -> list:
+    """The inductor graphs (``CompiledFxGraph``) reachable from ``root`` through the closures and
+    ``compiled_fn`` / ``__wrapped__`` attributes of AOTAutograd's wrappers."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    found, seen, stack = [], set(), [(root, 0)]
+    while stack:
+        obj, depth = stack.pop()
+        if id(obj) in seen or depth > 12:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, CompiledFxGraph):
+            found.append(obj)
+            continue
+        inner = [vars(obj).get(name) for name in ("compiled_fn", "__wrapped__") if hasattr(obj, "__dict__")]
+        for cell in getattr(obj, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                inner.append(cell.cell_contents)
+        stack.extend((o, depth + 1) for o in inner if callable(o) and not isinstance(o, type))
+    return found
+
+
+def _differs(expected, got) -> str | None:
+    """How ``got`` (tensors, or tuples and lists of them) is not ``expected`` bit for bit; None: it is."""
+    if isinstance(expected, (tuple, list)):
+        if not isinstance(got, (tuple, list)) or len(got) != len(expected):
+            return f"returns {type(got).__name__} where {type(expected).__name__} of {len(expected)} was"
+        return next((why for e, g in zip(expected, got) if (why := _differs(e, g))), None)
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != expected.dtype:
+            return "returns another shape or dtype"
+        return None if torch.equal(got, expected) else "computes other values"
+    return None if got == expected else "returns another value"
 
 
 _DYNAMO_UTILS = "__import_torch_dot__dynamo_dot_utils"

@@ -333,6 +333,8 @@ def _layer_region_family(family: str, graph_dir: str) -> dict:
     got["graphs"], got["batches"] = compiled.graphs_compiled, sorted(compiled.batches)
     got["entries"] = sorted(compiled._layers.calls)  # graph -> each layer's graph
     got["loaded"] = compiled.graphs_loaded
+    # why any layer's graph is still called through AOTAutograd's wrapper (CompiledCall.go_direct)
+    got["wrapped"] = sorted({g.wrapped for graphs in compiled._layers.assigned.values() for g in graphs if g.wrapped})
     return got
 
 
@@ -349,6 +351,7 @@ def test_compiled_layers_are_kept_on_disk_loaded_and_retraced_where_broken(tmp_p
     assert entries == [f"{graph}-{torch.get_num_threads()}" for graph in ("1", "2+")], entries  # static, open
     again = _layer_region_family("gemma2", graph_dir=str(tmp_path))
     assert again["compiled"] == got["eager"] and (again["graphs"], again["loaded"]) == (0, 4), again
+    assert got["wrapped"] == again["wrapped"] == [], again  # loaded graphs go past the wrapper too
     broken = tmp_path / key / entries[0] / "graph-0.bin"
     broken.write_bytes(b"not a graph")
     with caplog.at_level("WARNING", logger="server.engine.graph_store"):
@@ -425,13 +428,15 @@ def test_compiled_layers_equal_eager_for_every_family(family, every_family_compi
     tokens of compiled decode steps equal eager's (float32), the steps of 3, 2 and 1 sequences ran
     in the warm-up's graphs (the open one and the one-sequence one) and nothing compiled after
     it. A layer's graph is shared by the model's layers of its kind: two graphs a kind (one per
-    size), at most two kinds (alternating windows) in these families."""
+    size), at most two kinds (alternating windows) in these families. Every layer's graph is
+    called past AOTAutograd's wrapper (its KV writes are in the graph, its output its own)."""
     got = every_family_compiled[family]
     assert "error" not in got, got.get("error")
     assert got["compiled"] == got["eager"], got
     assert got["after_warm_up"] == 0 and got["entries"] == ["1", "2+"], got
     assert {1, 2, 3} <= set(got["batches"]), got
     assert 2 <= got["graphs"] <= 4, got
+    assert got["wrapped"] == [], got
 
 
 def test_compile_decode_with_nothing_resident_is_refused_before_launch(tmp_path):

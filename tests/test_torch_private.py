@@ -131,3 +131,58 @@ def test_a_graph_traced_ahead_runs_as_plain_code_at_every_size_and_survives_a_sa
     # calls (three a call here: its batch's size and the profiler's marks), each a _disable_dynamo wrapper
     assert len(calls) <= 6, len(calls)
     assert not loaded.traced and graph.fits(torch.randn(7, 4), 2.0)
+
+
+def _bump_and_scale(x, buffer, w):
+    import torch
+
+    buffer.index_copy_(0, torch.tensor([0]), x[:1])  # an input written in the graph (as the KV pools are)
+    return (x @ w).relu() + buffer.sum()
+
+
+def _scaled_view(x):
+    x.mul_(2)
+    return x.view(-1)  # aliases its input: AOTAutograd's wrapper regenerates it
+
+
+def test_a_graph_goes_direct_past_aot_wrappers_where_they_have_nothing_to_do():
+    """CompiledCall.go_direct: a graph whose only input mutation is in the graph and whose output is
+    its own enters inductor's code directly and computes what the wrapped call did, writing its
+    input too (a loaded graph as well); one whose output aliases its input keeps the wrapper, says
+    why, and still computes the same. With grad enabled a direct graph goes through the wrapper."""
+    import torch
+
+    from shard_engine import torch_private
+
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 4), torch.randn(4, 5)
+    compiled = torch.compile(_bump_and_scale, fullgraph=True, dynamic=False)
+    traced = torch_private.CompiledCall.trace(compiled, (x, torch.zeros(2, 4), w), {})
+    loaded = torch_private.CompiledCall.load(traced.save(), _bump_and_scale)
+    for graph in (traced, loaded):
+        buffer = torch.zeros(2, 4)
+        with torch.no_grad():
+            output = graph.call(x, buffer, w)
+            assert graph.go_direct((x, buffer, w), {}, output) is None and graph.wrapped is None
+            buffer = torch.zeros(2, 4)
+            y = torch.randn(3, 4)
+            got = graph.call(y, buffer, w)
+        torch.testing.assert_close(buffer[0], y[0])
+        torch.testing.assert_close(got, _bump_and_scale(y, torch.zeros(2, 4), w), rtol=0, atol=1e-6)
+        direct = graph.call.__globals__[next(n for n in graph.call.__code__.co_names if n.startswith("__compiled_fn"))]
+        assert direct.__name__ == "direct"
+        with torch.enable_grad():  # through the wrapper, which turns grad off
+            torch.testing.assert_close(graph.call(y, torch.zeros(2, 4), w.requires_grad_()), got)
+        w.requires_grad_(False)
+
+    aliasing = torch_private.CompiledCall.trace(torch.compile(_scaled_view, fullgraph=True, dynamic=False),
+                                                (torch.ones(2, 2),), {})
+    z = torch.ones(2, 2)
+    with torch.no_grad():
+        output = aliasing.call(z)
+        why = aliasing.go_direct((z,), {}, output)
+        assert why and "aliasing" in why, why
+        assert aliasing.go_direct((z,), {}, output) == why  # decided once
+        z = torch.ones(2, 2)
+        out = aliasing.call(z)
+    assert out.data_ptr() == z.data_ptr() and torch.equal(z, torch.full((2, 2), 2.0))

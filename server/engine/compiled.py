@@ -9,7 +9,9 @@ out of the way (:class:`shard_engine.direct.DirectForward`). What one graph cove
   the layer (:class:`_CompiledLayers`) with its own parameters and KV pools as the graph's inputs,
   so dynamo traces one layer, not the model, and the model's layers of one kind (Gemma 2's
   windowed and global layers: two kinds) share a graph. The graphs are traced ahead of time and
-  called as plain functions (no dynamo frame or guards between layers), and kept on disk
+  called as plain functions (no dynamo frame or guards between layers; inductor's code entered
+  past AOTAutograd's runtime wrapper where it has nothing to do: ``CompiledCall.go_direct``), and
+  kept on disk
   (:mod:`server.engine.graph_store`): a second start loads them instead of tracing. The
   embeddings, final norm, head and masks run eagerly around the layers.
 * ``model``: the whole forward, one call of generated code a step; the start traces and compiles
@@ -141,7 +143,9 @@ class _CompiledLayers:
     the graph whose guards pass on them, or trace one. After it, a layer calls its graph's code
     directly: no dynamo frame, no guards (dynamo's frame hook, guards and wrappers cost a layer
     ~0.1 ms a call on these cores), which is safe because :meth:`CompiledDecode.pad` admits only
-    steps of the sizes the warm-up ran and each layer calls the graph it was matched to."""
+    steps of the sizes the warm-up ran and each layer calls the graph it was matched to. A graph's
+    first warm-up call also tries it past AOTAutograd's runtime wrapper (~20 us of a tiny layer's
+    ~130; kept where that computes anything else: ``CompiledCall.go_direct``)."""
 
     def __init__(self, model: nn.Module):
         from shard_engine.units import detect_decoder_layer_names
@@ -243,7 +247,7 @@ class _CompiledLayers:
                     graphs[:] = [None] * len(graphs)
                     return self._match(i, key, pools, *args, **kwargs)
                 self.unchecked.discard(id(graph))
-            return graph.call(layer, *args, **kwargs)
+            return _call_and_go_direct(graph, i, layer, args, kwargs)
         fit = next((g for g in self.graphs if g.fits(layer, *args, **kwargs)), None)
         if graph is not None and fit is not graph:
             raise CompileUnavailable(f"--compile-region layer: the graph of decoder layer {i} ({type(layer).__name__}) "
@@ -259,7 +263,18 @@ class _CompiledLayers:
                 object.__setattr__(layer, "forward", forward)
             self.graphs.append(fit)
         graphs[i] = fit
-        return fit.call(layer, *args, **kwargs)
+        return _call_and_go_direct(fit, i, layer, args, kwargs)
+
+
+def _call_and_go_direct(graph, i: int, layer: nn.Module, args, kwargs):
+    """The warm-up's call of ``graph`` for decoder layer ``i``; on a graph's first call, its code
+    entered directly from then on where that is the same (``CompiledCall.go_direct``)."""
+    output = graph.call(layer, *args, **kwargs)
+    if not graph.direct_tried:
+        why = graph.go_direct((layer, *args), kwargs, output)
+        if why:
+            logger.info("compiled decode: decoder layer %d's graph keeps AOTAutograd's wrapper (%s)", i, why)
+    return output
 
 
 def _disagreement(graph, layer: nn.Module, args, kwargs) -> str | None:
