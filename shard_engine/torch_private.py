@@ -44,6 +44,7 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
     "torch._inductor.compile_fx": ("compile_fx",),
     "torch._inductor.cpu_vec_isa": ("pick_vec_isa",),
     "torch._inductor.output_code": ("CompiledFxGraph",),  # its current_callable: CompiledCall.go_direct
+    "torch._inductor.fx_passes.decompose_mem_bound_mm": ("cpu_max_other_dimension_decomposition",),
     "torch._inductor.config": ("get_config_copy", "_compile_ignored_keys"),
     "torch._dynamo.config": ("get_config_copy", "_compile_ignored_keys"),
     "torch._dynamo.utils": ("call_size",),  # and whatever else dynamo's code reads of it: _DynamoHelpers
@@ -446,6 +447,15 @@ def _without_dynamo_wrappers(fn: Callable) -> Callable:
     if module is not None and not isinstance(module, _DynamoHelpers):
         fn.__globals__[_DYNAMO_UTILS] = _DynamoHelpers(module)
     return fn
+
+
+def decompose_one_row_products(max_dim: int) -> None:
+    """Inductor's ``decompose_mm_pass`` (enabled by a compile's options) makes a CPU product of
+    one row by a matrix of at most ``max_dim`` on each side a reduction of its own code. Its
+    bound is a module global read from the config when the pass's module is first imported
+    (2048 by default, below most heads and many MLPs): raised here, for every compile after."""
+    module = importlib.import_module("torch._inductor.fx_passes.decompose_mem_bound_mm")
+    module.cpu_max_other_dimension_decomposition = max(module.cpu_max_other_dimension_decomposition, max_dim)
 
 
 def compiler_settings() -> str:

@@ -323,8 +323,12 @@ def _layer_region_family(family: str, graph_dir: str) -> dict:
         harness = Harness(model, blocks=64, block_size=4, prefill=64)
         harness.scheduler.eos_token_ids = set()
         if mode == "compiled":
+            decomposed = sum(torch._dynamo.utils.counters["inductor"][k] for k in ("decompose_mm", "decompose_addmm"))
             harness.engines[0].compile_decode(sizes=COMPILE_BATCH_SIZES["cpu"], region="layer", graph_dir=graph_dir)
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            # one-row products made inductor's own reductions (none where every graph was loaded)
+            got["one_row_products"] = sum(torch._dynamo.utils.counters["inductor"][k]
+                                          for k in ("decompose_mm", "decompose_addmm")) - decomposed
         outs = [harness.submit(p, 4 + 4 * i) for i, p in enumerate(prompts)]
         harness.run(lambda: all(o["finish"] is not None or o["error"] for o in outs))
         got[mode] = [o["tokens"] if o["error"] is None else o["error"] for o in outs]
@@ -335,6 +339,8 @@ def _layer_region_family(family: str, graph_dir: str) -> dict:
     got["loaded"] = compiled.graphs_loaded
     # why any layer's graph is still called through AOTAutograd's wrapper (CompiledCall.go_direct)
     got["wrapped"] = sorted({g.wrapped for graphs in compiled._layers.assigned.values() for g in graphs if g.wrapped})
+    head = compiled._layers.head
+    got["head"] = "plain" if head.head is None else "graph" if head.graph is not None and not head.graph.wrapped else "wrapped"
     return got
 
 
@@ -429,7 +435,9 @@ def test_compiled_layers_equal_eager_for_every_family(family, every_family_compi
     in the warm-up's graphs (the open one and the one-sequence one) and nothing compiled after
     it. A layer's graph is shared by the model's layers of its kind: two graphs a kind (one per
     size), at most two kinds (alternating windows) in these families. Every layer's graph is
-    called past AOTAutograd's wrapper (its KV writes are in the graph, its output its own)."""
+    called past AOTAutograd's wrapper (its KV writes are in the graph, its output its own). The
+    one-sequence steps' products of one row (the layers' and the head's) are inductor's own
+    reductions, and their tokens still equal eager's."""
     got = every_family_compiled[family]
     assert "error" not in got, got.get("error")
     assert got["compiled"] == got["eager"], got
@@ -437,6 +445,9 @@ def test_compiled_layers_equal_eager_for_every_family(family, every_family_compi
     assert {1, 2, 3} <= set(got["batches"]), got
     assert 2 <= got["graphs"] <= 4, got
     assert got["wrapped"] == [], got
+    # a sequence alone: its layers' and its head's products of one row are inductor's reductions
+    # (5 in the families of fused projections, Phi-3's, GPT-2's; the MoE experts' are not products)
+    assert got["head"] == "graph" and got["one_row_products"] >= 5, (got["head"], got["one_row_products"])
 
 
 def test_compile_decode_with_nothing_resident_is_refused_before_launch(tmp_path):

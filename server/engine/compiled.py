@@ -69,8 +69,10 @@ logger = logging.getLogger(__name__)
 WARM_UP_CONTEXTS = (5, 7)
 """The context lengths each graph's warm-up forwards run at: two, so that the context is seen to
 vary and kept symbolic (it is also marked dynamic on every call)."""
+ONE_ROW_PRODUCT_MAX_DIM = 1 << 18
+"""The largest side of a weight whose product with one row inductor generates itself (see below)."""
 INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False,
-                    "cpp.dynamic_threads": True}
+                    "cpp.dynamic_threads": True, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
 """What inductor generates, beside its defaults (vLLM's CPU platform sets the first and the last):
 
 * its checks, on every call, of its inputs' sizes, strides, alignment and scalars left out: a layer
@@ -79,7 +81,14 @@ INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_a
   each layer calls the graph it was matched to);
 * CPU kernels that take the intra-op thread count when they run rather than hold the compile's as
   a constant: one graph of a layer serves every count a plan carries (:mod:`server.engine.cores`),
-  where a set of graphs per count doubled a first start's traces."""
+  where a set of graphs per count doubled a first start's traces;
+* on CPU, a product of one row by a weight (a step of one sequence: its static graph, and the
+  output head, :class:`_CompiledHead`) as a reduction inductor generates (``decompose_mm_pass``,
+  its sides up to :data:`ONE_ROW_PRODUCT_MAX_DIM`) rather than a BLAS call: the weights streamed
+  from memory at 11-14 GB/s on one and two threads of these cores, against 6-7 GB/s through the
+  BLAS's product of one row (f32, weights beyond the caches; benchmarks/RESULTS.md, session 22).
+  Its sums are taken in another order than the BLAS's (float32 products ~1e-6 relative apart).
+  Products of more rows keep the BLAS: the same reduction of 4 to 16 rows was slower."""
 
 
 class CompileUnavailable(RuntimeError):
@@ -129,6 +138,54 @@ def _layer_forward(layer: nn.Module, *args, **kwargs):
     return type(layer).forward(layer, *args, **kwargs)
 
 
+def _head_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The output head of one row (:class:`_CompiledHead`)."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+class _CompiledHead:
+    """The output head (an ``nn.Linear`` whose forward is its class's) of a step of one sequence,
+    through a graph of its own: inductor makes a product of one row a reduction it generates
+    itself (``decompose_mm_pass``, :data:`INDUCTOR_OPTIONS`), which streams the weight at about
+    twice the speed of the BLAS call on these cores (SmolLM2-135M's tied 49152 x 576 head in
+    float32: ~17 ms a step through ``F.linear``). Traced at the warm-up's first one-sequence
+    step, called as plain code after it (no guards: :meth:`call` admits one row only), not kept
+    on disk (a trace of one product: well under a second)."""
+
+    def __init__(self, model: nn.Module):
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.head = head if type(head) is nn.Linear and "forward" not in vars(head) else None
+        self.compiled = torch.compile(_head_forward, dynamic=False, fullgraph=True, options=INDUCTOR_OPTIONS)
+        self.graph = None  # a shard_engine.torch_private.CompiledCall, once traced
+
+    @contextlib.contextmanager
+    def installed(self, tracing: bool) -> Iterator[None]:
+        """Within, the head's forward of one row is its graph (traced now if ``tracing`` and none is)."""
+        if self.head is None or (self.graph is None and not tracing):
+            yield
+            return
+        object.__setattr__(self.head, "forward", functools.partial(self.call, tracing))
+        try:
+            yield
+        finally:
+            object.__delattr__(self.head, "forward")
+
+    def call(self, tracing: bool, x: torch.Tensor) -> torch.Tensor:
+        head = self.head
+        if x.shape[:-1].numel() != 1 or (self.graph is None and not tracing):
+            return type(head).forward(head, x)
+        if self.graph is None:
+            from shard_engine.torch_private import CompiledCall
+
+            self.graph = CompiledCall.trace(self.compiled, (x, head.weight, head.bias), {})
+            output = self.graph.call(x, head.weight, head.bias)
+            why = self.graph.go_direct((x, head.weight, head.bias), {}, output)
+            if why:
+                logger.info("compiled decode: the head's graph keeps AOTAutograd's wrapper (%s)", why)
+            return output
+        return self.graph.call(x, head.weight, head.bias)
+
+
 class _CompiledLayers:
     """``--compile-region layer``: the model's decoder layers (``detect_decoder_layer_names``), each
     run through a graph of one compiled function of the layer, so that dynamo traces a layer rather
@@ -172,6 +229,7 @@ class _CompiledLayers:
         self.threads = 0  # the intra-op threads of the warm-up (what the store files its graphs under)
         self.compiling = False  # the warm-up: each layer's inputs matched to a graph, or one traced
         self.mark_rows = False  # ... of the open graph: the rows' dimension of each layer's inputs symbolic
+        self.head = _CompiledHead(model)  # the output head of a sequence alone
 
     def start_warm_up(self, threads: int) -> None:
         self.assigned, self.calls, self.unchecked, self.saved = {}, {}, set(), set()
@@ -220,7 +278,8 @@ class _CompiledLayers:
         cache.pools_in_kwargs = True
         try:
             # traced (and guards evaluated) with a sequence alone's attention in its graph
-            with one_decode_inline() if self.compiling else contextlib.nullcontext():
+            with one_decode_inline() if self.compiling else contextlib.nullcontext(), \
+                    self.head.installed(self.compiling) if graph == "1" else contextlib.nullcontext():
                 yield
         finally:
             cache.pools_in_kwargs = False
@@ -332,6 +391,9 @@ class CompiledDecode:
         except ValueError as e:
             raise CompileUnavailable(f"--compile decode: {e} (every unit must be resident: --resident-units all, "
                                      "or auto on CPU ranks of one host)") from None
+        from shard_engine.torch_private import decompose_one_row_products
+
+        decompose_one_row_products(ONE_ROW_PRODUCT_MAX_DIM)
         self.sizes = sizes
         self._model = model
         self.graph_dir = None  # the layers' graphs on disk (server.engine.graph_store): "" for none
