@@ -174,6 +174,7 @@ class _CompiledHead:
         head = self.head
         if x.shape[:-1].numel() != 1 or (self.graph is None and not tracing):
             return type(head).forward(head, x)
+        x = x.contiguous()  # the strides it was traced at (its code checks none)
         if self.graph is None:
             from shard_engine.torch_private import CompiledCall
 
