@@ -300,6 +300,14 @@ def test_a_decode_step_is_padded_to_its_bucket_or_left_to_eager():
             CompileSizes(static, open_from)
 
 
+def _one_row_products() -> int:
+    """The products inductor's decompose_mm_pass has made reductions in this process so far."""
+    import torch._dynamo.utils
+
+    counters = torch._dynamo.utils.counters["inductor"]
+    return counters["decompose_mm"] + counters["decompose_addmm"]
+
+
 def _layer_region_family(family: str, graph_dir: str) -> dict:
     """One family's tiny model in process, unsharded: greedy tokens eagerly, then with decode steps
     through compiled layers (``--compile-region layer``, the CPU default sizes ``1,2+``): three
@@ -323,12 +331,11 @@ def _layer_region_family(family: str, graph_dir: str) -> dict:
         harness = Harness(model, blocks=64, block_size=4, prefill=64)
         harness.scheduler.eos_token_ids = set()
         if mode == "compiled":
-            decomposed = sum(torch._dynamo.utils.counters["inductor"][k] for k in ("decompose_mm", "decompose_addmm"))
+            decomposed = _one_row_products()
             harness.engines[0].compile_decode(sizes=COMPILE_BATCH_SIZES["cpu"], region="layer", graph_dir=graph_dir)
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             # one-row products made inductor's own reductions (none where every graph was loaded)
-            got["one_row_products"] = sum(torch._dynamo.utils.counters["inductor"][k]
-                                          for k in ("decompose_mm", "decompose_addmm")) - decomposed
+            got["one_row_products"] = _one_row_products() - decomposed
         outs = [harness.submit(p, 4 + 4 * i) for i, p in enumerate(prompts)]
         harness.run(lambda: all(o["finish"] is not None or o["error"] for o in outs))
         got[mode] = [o["tokens"] if o["error"] is None else o["error"] for o in outs]

@@ -179,11 +179,7 @@ class _CompiledHead:
             from shard_engine.torch_private import CompiledCall
 
             self.graph = CompiledCall.trace(self.compiled, (x, head.weight, head.bias), {})
-            output = self.graph.call(x, head.weight, head.bias)
-            why = self.graph.go_direct((x, head.weight, head.bias), {}, output)
-            if why:
-                logger.info("compiled decode: the head's graph keeps AOTAutograd's wrapper (%s)", why)
-            return output
+            return _call_and_go_direct(self.graph, "the head's graph", x, head.weight, head.bias)
         return self.graph.call(x, head.weight, head.bias)
 
 
@@ -307,7 +303,7 @@ class _CompiledLayers:
                     graphs[:] = [None] * len(graphs)
                     return self._match(i, key, pools, *args, **kwargs)
                 self.unchecked.discard(id(graph))
-            return _call_and_go_direct(graph, i, layer, args, kwargs)
+            return _call_and_go_direct(graph, f"decoder layer {i}'s graph", layer, *args, **kwargs)
         fit = next((g for g in self.graphs if g.fits(layer, *args, **kwargs)), None)
         if graph is not None and fit is not graph:
             raise CompileUnavailable(f"--compile-region layer: the graph of decoder layer {i} ({type(layer).__name__}) "
@@ -323,17 +319,17 @@ class _CompiledLayers:
                 object.__setattr__(layer, "forward", forward)
             self.graphs.append(fit)
         graphs[i] = fit
-        return _call_and_go_direct(fit, i, layer, args, kwargs)
+        return _call_and_go_direct(fit, f"decoder layer {i}'s graph", layer, *args, **kwargs)
 
 
-def _call_and_go_direct(graph, i: int, layer: nn.Module, args, kwargs):
-    """The warm-up's call of ``graph`` for decoder layer ``i``; on a graph's first call, its code
-    entered directly from then on where that is the same (``CompiledCall.go_direct``)."""
-    output = graph.call(layer, *args, **kwargs)
+def _call_and_go_direct(graph, name: str, /, *args, **kwargs):
+    """A warm-up's call of ``graph`` (a CompiledCall, ``name`` in the log); on a graph's first call,
+    its code entered directly from then on where that is the same (``CompiledCall.go_direct``)."""
+    output = graph.call(*args, **kwargs)
     if not graph.direct_tried:
-        why = graph.go_direct((layer, *args), kwargs, output)
+        why = graph.go_direct(args, kwargs, output)
         if why:
-            logger.info("compiled decode: decoder layer %d's graph keeps AOTAutograd's wrapper (%s)", i, why)
+            logger.info("compiled decode: %s keeps AOTAutograd's wrapper (%s)", name, why)
     return output
 
 
