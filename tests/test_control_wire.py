@@ -237,13 +237,14 @@ def test_a_stranger_on_the_control_port_is_refused_and_the_ranks_still_join():
 
     listener = socket.create_server(("127.0.0.1", 0))
     address = {"host": "127.0.0.1", "port": listener.getsockname()[1], "token": "t" * 64}
-    strangers = []
+    strangers, knocked = [], threading.Semaphore(0)
 
     def stranger(hello) -> None:
         sock = socket.create_connection(("127.0.0.1", address["port"]), timeout=30)
         link = Link(sock, 0, 30)
         if hello is not None:
             link.send(hello)
+        knocked.release()
         try:
             strangers.append(link.recv())
         except LinkError as e:
@@ -256,8 +257,12 @@ def test_a_stranger_on_the_control_port_is_refused_and_the_ranks_still_join():
 
     hellos = ({"rank": 1, "token": "x" * 64}, {"rank": 9}, {"rank": 2, "token": "y" * 5000})  # the last: too long
     threads = [threading.Thread(target=stranger, args=(h,)) for h in hellos]
-    threads += [threading.Thread(target=rank, args=(r,)) for r in (1, 2)]
     for t in threads:
+        t.start()
+    for _ in hellos:  # every stranger queued before the ranks dial: the listener meets them all first
+        assert knocked.acquire(timeout=30)
+    threads += [threading.Thread(target=rank, args=(r,)) for r in (1, 2)]
+    for t in threads[len(hellos):]:
         t.start()
     links = _accept(listener, address["token"], world=3, timeout_s=30)
     for t in threads:
