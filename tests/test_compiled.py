@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from server.engine import linears
 from tests.dist import run_ranks, values
 from tests.server_process import REPO
 from tests.test_families import SERVED as SERVED_FAMILIES
@@ -308,11 +309,11 @@ def _one_row_products() -> int:
     return counters["decompose_mm"] + counters["decompose_addmm"]
 
 
-def _layer_region_family(family: str, graph_dir: str) -> dict:
+def _layer_region_family(family: str, graph_dir: str, packed: bool = False) -> dict:
     """One family's tiny model in process, unsharded: greedy tokens eagerly, then with decode steps
     through compiled layers (``--compile-region layer``, the CPU default sizes ``1,2+``): three
     sequences of different lengths (the batch shrinks 3, 2, 1), the graphs compiled (or loaded from
-    ``graph_dir``) at warm-up."""
+    ``graph_dir``) at warm-up. ``packed``: both on oneDNN's prepacked linears (``--packed-linears``)."""
     import torch._dynamo.utils
     from transformers import AutoModelForCausalLM
 
@@ -324,6 +325,8 @@ def _layer_region_family(family: str, graph_dir: str) -> dict:
     torch.manual_seed(0)
     config = _config(family)
     model = AutoModelForCausalLM.from_config(config).eval()
+    if packed:
+        linears.pack_linears(model)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (21, 9, 14)]
     got = {}
@@ -348,7 +351,23 @@ def _layer_region_family(family: str, graph_dir: str) -> dict:
     got["wrapped"] = sorted({g.wrapped for graphs in compiled._layers.assigned.values() for g in graphs if g.wrapped})
     head = compiled._layers.head
     got["head"] = "plain" if head.head is None else "graph" if head.graph is not None and not head.graph.wrapped else "wrapped"
+    if packed:
+        linears.unpack_linears(model)
     return got
+
+
+@pytest.mark.skipif(linears.packing_refusal(torch.nn.Linear(2, 2), torch.device("cpu"), (torch.float32,)) is not None,
+                    reason="this torch cannot pack linears")
+def test_compiled_layers_on_packed_linears_equal_eager_and_are_kept_on_disk(tmp_path):
+    """``--compile decode`` beside ``--packed-linears`` (bf16's default where the CPU has bf16; float32
+    here, which every CPU packs): each linear's forward, replaced on its instance, is one opaque op in
+    the layers' graphs; the graphs (and their guards, which name those forwards) are saved and loaded
+    again, and decode the tokens the packed eager steps decode."""
+    got = _layer_region_family("llama", graph_dir=str(tmp_path), packed=True)
+    assert got["compiled"] == got["eager"] and (got["graphs"], got["loaded"]) == (2, 0), got
+    assert got["head"] == "plain" and got["wrapped"] == [], got  # the head is a packed linear too
+    again = _layer_region_family("llama", graph_dir=str(tmp_path), packed=True)
+    assert again["compiled"] == got["eager"] and (again["graphs"], again["loaded"]) == (0, 2), again
 
 
 def test_compiled_layers_are_kept_on_disk_loaded_and_retraced_where_broken(tmp_path, caplog):

@@ -75,6 +75,11 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return packed_linear(x, self.weight, self.bias)
 
 
+# Bound to a module as its ``forward``, under that name: dynamo's guard serializer (a compiled
+# step's graph kept on disk) finds a bound method by ``getattr(module, func.__name__)``.
+_forward.__name__ = "forward"
+
+
 def packing_refusal(model: nn.Module, device: torch.device, dtypes=PACKED_DTYPES) -> str | None:
     """Why this rank's linears cannot be packed, or None."""
     if device.type != "cpu":
