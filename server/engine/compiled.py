@@ -63,6 +63,7 @@ from torch import nn
 
 from server.engine.attention import LAYER_POOLS, one_decode_inline
 from server.engine.cores import threads_inside
+from server.engine.linears import plain_forwards
 
 logger = logging.getLogger(__name__)
 
@@ -275,8 +276,11 @@ class _CompiledLayers:
         cache.pools_in_kwargs = True
         try:
             # traced (and guards evaluated) with a sequence alone's attention in its graph
+            # a sequence alone's products as inductor's reductions, not packed linears (plain_forwards)
             with one_decode_inline() if self.compiling else contextlib.nullcontext(), \
-                    self.head.installed(self.compiling) if graph == "1" else contextlib.nullcontext():
+                    self.head.installed(self.compiling) if graph == "1" else contextlib.nullcontext(), \
+                    plain_forwards(layer for layer, _ in self.layers) if graph == "1" and self.compiling \
+                    else contextlib.nullcontext():
                 yield
         finally:
             cache.pools_in_kwargs = False

@@ -23,7 +23,9 @@ weights are packed (a unit that gathers gets new storage every forward). Collect
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +132,24 @@ def pack_linears(model: nn.Module, batch_hint: int = 1) -> int:
         module.forward = _forward.__get__(module)
     logger.info("linears on prepacked weights: %.1f MB of copies", total / 1e6)
     return total
+
+
+@contextlib.contextmanager
+def plain_forwards(modules) -> Iterator[None]:
+    """Within, the packed linears under ``modules`` run ``nn.Linear``'s own forward (their packed
+    copies kept): what a compiled step of one sequence traces, whose products of one row inductor
+    makes reductions of its own that stream a weight faster than oneDNN's packed product reads it
+    (server.engine.compiled, ``decompose_mm_pass``: SmolLM2-135M's decoder products in bf16 on two
+    cores 5.0 against 6.2 ms a step, benchmarks/RESULTS.md session 23)."""
+    plain = [m for module in modules for m in module.modules()
+             if type(m) is nn.Linear and getattr(vars(m).get("forward"), "__func__", None) is _forward]
+    for m in plain:
+        del m.forward
+    try:
+        yield
+    finally:
+        for m in plain:
+            m.forward = _forward.__get__(m)
 
 
 def unpack_linears(model: nn.Module) -> None:
