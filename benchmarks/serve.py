@@ -119,7 +119,9 @@ class Server:
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
             self.argv, cwd=REPO, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **self.env),
+            # the benchmark's own HSDP_BENCH_* variables are not the server's (it warns of unknown HSDP_*)
+            env=dict({k: v for k, v in os.environ.items() if not k.startswith("HSDP_BENCH_")},
+                     PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **self.env),
             start_new_session=True,
         )
         with httpx.Client(base_url=self.url, timeout=10) as client:
