@@ -32,6 +32,9 @@ float32), one after the other, on this machine:
                  (ratios_to_hsdp-1rank)
   hsdp-plain-linears  --packed-linears off: linears on their plain weights (against hsdp in bf16:
                  what oneDNN's prepacked weights gain)
+  hsdp-int8      --quantization int8: the checkpoint quantized by rows while it streams (INT8
+                 weight-only by channel), against hsdp: what the stored INT8 weights gain or cost
+  hsdp-int8-compiled  the same with --compile decode
   llama.cpp      llama.cpp's llama-server ($HSDP_BENCH_LLAMA_SERVER, built from source as
                  docs/performance.md says) on --gguf, the same weights converted to a GGUF, every
                  core of the host, one slot per client of the largest closed loop
@@ -68,7 +71,7 @@ from benchmarks.models import bench_checkpoint, compute_dtype, parameter_count
 from tests.server_process import REPO, free_port
 
 SERVERS = ("transformers", "vllm", "llama.cpp", "hsdp", "hsdp-compiled", "hsdp-compiled-model", "hsdp-compiled-static",
-           "hsdp-sharded", "hsdp-gloo", "hsdp-resident", "hsdp-1rank", "hsdp-replicas", "hsdp-plain-linears")
+           "hsdp-sharded", "hsdp-gloo", "hsdp-resident", "hsdp-1rank", "hsdp-replicas", "hsdp-plain-linears", "hsdp-int8", "hsdp-int8-compiled")
 PEERS = ("transformers", "vllm", "llama.cpp", "hsdp-1rank")
 """The servers each hsdp-serve variant is reported as a ratio to, where they ran."""
 VLLM = os.environ.get("HSDP_BENCH_VLLM", os.path.expanduser("~/.vllm-venv/bin/vllm"))
@@ -188,7 +191,8 @@ def build_server(name: str, model_dir: str, log_dir: str, max_running: int, dtyp
              "hsdp-gloo": ["--resident-units", "0", "--all-gather", "group"],
              "hsdp-resident": ["--resident-units", "all", "--all-gather", "group"],
              "hsdp-1rank": [], "hsdp-replicas": ["--replicate-size", "2", "--shard-size", "1"],
-             "hsdp-plain-linears": ["--packed-linears", "off"]}[name]
+             "hsdp-plain-linears": ["--packed-linears", "off"], "hsdp-int8": ["--quantization", "int8"],
+             "hsdp-int8-compiled": ["--quantization", "int8", "--compile", "decode"]}[name]
     if name == "hsdp-1rank":  # one core: its rank takes one thread, as each replica's rank does
         argv = ["taskset", "-c", "0", *argv]
     return Server(name, argv, port, "/ready", model_dir, log_path)

@@ -241,3 +241,44 @@ def test_quantize_while_streaming_equals_quantizing_by_hand(tmp_path):
             assert out[kind]["differ"] == [], f"{kind} rank {rank}: shards unlike the hand-quantized checkpoint's"
             assert list(out[kind]["layers"].values()) == [21], out[kind]["layers"]  # every linear but lm_head
             assert out[kind]["ids"] == references[kind], f"{kind} rank {rank}"
+
+
+@pytest.mark.skipif(__import__("loaders.quantization.linear", fromlist=["x"]).int8_kernel_refusal() is not None,
+                    reason="this CPU keeps INT8 weight-only layers on the reference path")
+def test_int8_weight_only_decode_rows_go_through_torchs_kernel_in_bf16():
+    """``--quantization int8``'s layers (INT8 by channel, weight-only) in bf16: a forward of up to
+    INT8_KERNEL_MAX_ROWS rows is torch's int8 kernel on the stored weight, within bf16 rounding of
+    the dequantized reference; more rows, float32, and W8A8 (activations quantized) stay on the
+    reference bit for bit."""
+    from loaders.quantization.linear import INT8_KERNEL_MAX_ROWS, QuantizedLinear
+    from loaders.quantization.on_load import on_load_format, quantize_rows
+
+    torch.manual_seed(0)
+    dense = torch.randn(48, 64) * 0.05
+    fmt = on_load_format("int8")
+    stored = quantize_rows(dense, fmt)
+    layer = QuantizedLinear(64, 48, fmt, {n: t.dtype for n, t in stored.items()}, None)
+    for name, tensor in stored.items():
+        setattr(layer, name, torch.nn.Parameter(tensor, requires_grad=False))
+    assert layer._int8_kernel
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows in (1, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1):
+            x = torch.randn(1, rows, 64).to(dtype)
+            reference = torch.nn.functional.linear(x, layer.dequantized_weight(dtype).to(dtype))
+            got = layer(x)
+            kernel = dtype == torch.bfloat16 and rows <= INT8_KERNEL_MAX_ROWS
+            if kernel:
+                exact = torch._weight_int8pack_mm(x.view(rows, 64), stored["weight"],
+                                                  stored["weight_scale"].view(-1).to(dtype)).view(1, rows, 48)
+                assert torch.equal(got, exact)
+                torch.testing.assert_close(got.float(), reference.float(), rtol=2e-2, atol=2e-3)
+            else:
+                assert torch.equal(got, reference), (dtype, rows)
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from loaders.quantization.formats import LinearFormat
+
+    tokens = QuantizationArgs(num_bits=8, type="int", strategy="token", symmetric=True, dynamic=True)
+    w8a8 = LinearFormat("int-quantized", scheme=QuantizationScheme(targets=["Linear"], weights=fmt.scheme.weights,
+                                                                   input_activations=tokens))
+    assert not QuantizedLinear(64, 48, w8a8, {n: t.dtype for n, t in stored.items()}, None)._int8_kernel

@@ -9,6 +9,16 @@ runs on the gathered tensors: the weight dequantized by the function transformer
 the input fake-quantized where the scheme quantizes activations (compressed-tensors'
 ``forward_quantize``, as its quantized forward does), then ``F.linear`` in the input's dtype.
 Nothing dequantized is kept between forwards.
+
+One exception to dequantizing, where torch has a kernel that reads the stored weight itself: INT8
+weights with one symmetric scale per output row and unquantized activations (``int-quantized``
+weight-only, what ``--quantization int8`` writes), computed in bf16 or fp16 on CPU, for a forward
+of at most :data:`INT8_KERNEL_MAX_ROWS` rows (a decode step's) go through
+``torch._weight_int8pack_mm``, which multiplies by the int8 weight and scales each output after
+the sum. That is the exact product of the stored weights, where transformers' bf16 load rounds
+each dequantized weight to bf16 first: outputs within bf16 rounding of the reference, not bit-equal
+(float32, prompt chunks and other formats keep the reference path; on CPUs without AVX-512
+the kernel is slower than the reference and :func:`int8_kernel_refusal` says so).
 """
 
 from __future__ import annotations
@@ -24,6 +34,29 @@ from loaders.errors import CheckpointError
 from loaders.quantization.formats import LinearFormat, QuantizationPlan, fp8_scale_shape
 
 logger = logging.getLogger(__name__)
+
+INT8_KERNEL_MAX_ROWS = 16
+"""Rows (tokens) up to which an INT8 weight-only forward uses ``torch._weight_int8pack_mm``: its time
+grows with the rows (about 1 ms a row over the bench Llama's 77 linears on one AVX-512 thread) where
+dequantizing's is nearly fixed. Served at 16 clients, 64 gave a later first token than 16 (steps that
+carry a prompt chunk: benchmarks/RESULTS.md, session 23)."""
+INT8_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def int8_kernel_refusal() -> str | None:
+    """Why this host's INT8 weight-only layers keep the reference path, or None (the kernel is used).
+    torch's CPU kernel vectorizes with AVX-512 only: on AVX2 it is slower than dequantizing
+    (benchmarks/RESULTS.md, session 14), and in float32 everywhere."""
+    if not hasattr(torch, "_weight_int8pack_mm"):
+        return "this torch has no _weight_int8pack_mm"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith("AVX512"):
+        return f"this CPU's vector unit is {capability}, and torch's int8 kernel vectorizes only with AVX-512"
+    return None
+
+
+_INT8_KERNEL = int8_kernel_refusal() is None
+
 
 QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8, torch.int32)
 """Storage dtypes that never hold a plain weight: such a tensor under a dense layer's name is an error,
@@ -77,6 +110,10 @@ class QuantizedLinear(nn.Module):
         # resolved once: a forward runs every step
         self._names = fmt.stored_names
         self._compressor = None
+        w = fmt.scheme.weights if fmt.scheme is not None else None
+        self._int8_kernel = (fmt.kind == "int-quantized" and fmt.scheme.input_activations is None
+                             and w.num_bits == 8 and w.symmetric
+                             and str(getattr(w.strategy, "value", w.strategy)) == "channel")
         if fmt.kind != "fp8-block":
             from compressed_tensors.compressors import BaseCompressor
 
@@ -102,11 +139,22 @@ class QuantizedLinear(nn.Module):
         return self._compressor.decompress(state, fmt.scheme)["weight"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self._int8_kernel and _INT8_KERNEL and x.dtype in INT8_KERNEL_DTYPES and x.device.type == "cpu"
+                and x.shape[:-1].numel() <= INT8_KERNEL_MAX_ROWS and x.numel()):
+            return self._int8_forward(x)
         weight = self.dequantized_weight(x.dtype).to(x.dtype)
         scheme = self.format.scheme
         if scheme is not None and scheme.input_activations is not None:
             x = quantize_input(x, scheme.input_activations)
         return F.linear(x, weight, self.bias)
+
+    def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``int-quantized`` INT8 weight-only by channel, through torch's kernel (the module's docstring)."""
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch._weight_int8pack_mm(rows, self.weight, self.weight_scale.reshape(-1).to(x.dtype))
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def _check_shape(self) -> None:
         stored = getattr(self, "weight_shape", None)
