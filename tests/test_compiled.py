@@ -87,8 +87,8 @@ def _sizes():
 
 def _decode_eager_and_compiled(rank, world_size, paths, region):
     """Each model through the engine twice, eagerly and compiled: four sequences of different
-    lengths (the batch shrinks to one), a fifth arriving mid-decode (steps with a prompt chunk
-    run eagerly between compiled ones)."""
+    lengths (the batch shrinks to one), a fifth arriving mid-decode (steps with a prompt chunk: the
+    layers' open graph takes them whole, the model's graph leaves them to eager)."""
     import torch._dynamo.utils
 
     from loaders import load_hsdp_model
@@ -347,6 +347,7 @@ def _layer_region_family(family: str, graph_dir: str, packed: bool = False) -> d
     got["graphs"], got["batches"] = compiled.graphs_compiled, sorted(compiled.batches)
     got["entries"] = sorted(compiled._layers.calls)  # graph -> each layer's graph
     got["loaded"] = compiled.graphs_loaded
+    got["whole_steps"] = compiled.whole_steps  # steps carrying prompt chunks, through the open graph
     # why any layer's graph is still called through AOTAutograd's wrapper (CompiledCall.go_direct)
     got["wrapped"] = sorted({g.wrapped for graphs in compiled._layers.assigned.values() for g in graphs if g.wrapped})
     head = compiled._layers.head
@@ -465,7 +466,8 @@ def test_compiled_layers_equal_eager_for_every_family(family, every_family_compi
     size), at most two kinds (alternating windows) in these families. Every layer's graph is
     called past AOTAutograd's wrapper (its KV writes are in the graph, its output its own). The
     one-sequence steps' products of one row (the layers' and the head's) are inductor's own
-    reductions, and their tokens still equal eager's."""
+    reductions, and their tokens still equal eager's. The step of the three prompts' chunks ran in
+    the open graph too (its attention one op over the step: ``attention.whole_step_op``)."""
     got = every_family_compiled[family]
     assert "error" not in got, got.get("error")
     assert got["compiled"] == got["eager"], got
@@ -476,6 +478,7 @@ def test_compiled_layers_equal_eager_for_every_family(family, every_family_compi
     # a sequence alone: its layers' and its head's products of one row are inductor's reductions
     # (5 in the families of fused projections, Phi-3's, GPT-2's; the MoE experts' are not products)
     assert got["head"] == "graph" and got["one_row_products"] >= 5, (got["head"], got["one_row_products"])
+    assert got["whole_steps"] >= 1, got
 
 
 def test_compile_decode_with_nothing_resident_is_refused_before_launch(tmp_path):

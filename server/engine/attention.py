@@ -23,6 +23,9 @@ probability mass and contributes no value), the module's own ``scaling``, and ke
 different head dims (multi-head latent attention). Chunks that need soft-capping or sinks are
 computed without SDPA, which has neither.
 
+Under a compiled layer's open graph (:func:`whole_step_op`) the whole of it is one opaque op,
+``torch.ops.hsdp.paged_step``, which reads the step's layout (:func:`step_layout`) when it runs.
+
 A forward without the ``hsdp_paged`` keyword (an idle rank's one-token forward) gets SDPA.
 A layer asking for anything else raises :class:`UnsupportedAttention`.
 """
@@ -36,6 +39,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from server.engine.cores import follow_threads
 from server.engine.kernels import NO_SOFTCAP, NO_WINDOW, decode_one, paged_decode, probabilities
 
 ATTN_IMPLEMENTATION = "hsdp_paged"
@@ -51,6 +55,8 @@ layer``) reaches its pools as inputs of its graph, one graph for every layer, ra
 ``layer_idx``, a constant that would make a graph of each."""
 _UNSUPPORTED_KWARGS = ()  # every keyword an attention module passes is implemented or ignored
 _one_decode_inline = False  # within one_decode_inline()
+_whole_step_op = False  # within whole_step_op()
+_step_layout: PagedLayout | None = None  # within step_layout(): what torch.ops.hsdp.paged_step attends by
 
 
 @contextlib.contextmanager
@@ -68,6 +74,32 @@ def one_decode_inline() -> Iterator[None]:
         yield
     finally:
         _one_decode_inline = False
+
+
+@contextlib.contextmanager
+def whole_step_op() -> Iterator[None]:
+    """Within, a forward that dynamo traces computes each layer's attention as one opaque op over
+    the whole step, ``torch.ops.hsdp.paged_step``, which takes its layout (decoding sequences and
+    prompt chunks alike) from :func:`step_layout` when it runs: the graph then holds nothing of a
+    step's make-up but its rows, and serves decode steps and steps that carry prompt chunks alike.
+    For the layers' open graph (``server.engine.compiled``: its rows are symbolic)."""
+    global _whole_step_op
+    _whole_step_op = True
+    try:
+        yield
+    finally:
+        _whole_step_op = False
+
+
+@contextlib.contextmanager
+def step_layout(layout: PagedLayout | None) -> Iterator[None]:
+    """Within, ``torch.ops.hsdp.paged_step`` attends by ``layout`` (the step's)."""
+    global _step_layout
+    previous, _step_layout = _step_layout, layout
+    try:
+        yield
+    finally:
+        _step_layout = previous
 
 
 class UnsupportedAttention(NotImplementedError):
@@ -222,14 +254,46 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
                                    f"not pass its keywords down to the attention ({LAYER_POOLS})")
     heads, dim = query.shape[1], query.shape[3]
     scale = dim ** -0.5 if scaling is None else scaling
-    variant = _Variant(sliding_window, softcap, s_aux)
-    query_HTd = query[0]
-    out_THd = query.new_empty(query.shape[2], heads, value.shape[-1])
-    if hsdp_paged.decode is not None:
-        _attend_decode(hsdp_paged.decode, query_HTd, key, value, scale, variant, out_THd)
-    for chunk in hsdp_paged.prefill:
-        _attend_chunk(chunk, query_HTd, key, value, scale, variant, out_THd)
-    return out_THd.unsqueeze(0), None
+    if _whole_step_op and torch.compiler.is_compiling():
+        out_THd = paged_step(query[0], key, value, float(scale),
+                             int(sliding_window) if sliding_window is not None else NO_WINDOW,
+                             float(softcap) if softcap is not None else NO_SOFTCAP, s_aux)
+        return out_THd.unsqueeze(0), None
+    return _attend_step(hsdp_paged, query[0], key, value, scale, _Variant(sliding_window, softcap, s_aux)), None
+
+
+def _attend_step(layout: PagedLayout, query_HTd, key_HNd, value_HNd, scale: float, variant: _Variant) -> torch.Tensor:
+    """Every sequence's attention of a step: [1, T, H, dv]."""
+    out_THd = query_HTd.new_empty(query_HTd.shape[1], query_HTd.shape[0], value_HNd.shape[-1])
+    if layout.decode is not None:
+        _attend_decode(layout.decode, query_HTd, key_HNd, value_HNd, scale, variant, out_THd)
+    for chunk in layout.prefill:
+        _attend_chunk(chunk, query_HTd, key_HNd, value_HNd, scale, variant, out_THd)
+    return out_THd.unsqueeze(0)
+
+
+def _paged_step(query_HTd: torch.Tensor, key_HNd: torch.Tensor, value_HNd: torch.Tensor, scale: float, window: int,
+                softcap: float, sinks_H: torch.Tensor | None) -> torch.Tensor:
+    """``torch.ops.hsdp.paged_step``: :func:`_attend_step` by the layout :func:`step_layout` set,
+    [T, H, dv]; ``window`` / ``softcap`` :data:`NO_WINDOW` / :data:`NO_SOFTCAP` where the layer has none."""
+    follow_threads()  # inside a compiled step: the plan's threads (server.engine.cores)
+    if _step_layout is None:
+        raise RuntimeError("hsdp::paged_step ran outside a step: no layout was set (step_layout)")
+    variant = _Variant(window if window != NO_WINDOW else None, softcap if softcap != NO_SOFTCAP else None, sinks_H)
+    return _attend_step(_step_layout, query_HTd, key_HNd, value_HNd, scale, variant)[0]
+
+
+def _paged_step_fake(query_HTd, key_HNd, value_HNd, scale, window, softcap, sinks_H):
+    return query_HTd.new_empty(query_HTd.shape[1], query_HTd.shape[0], value_HNd.shape[-1])
+
+
+# as torch.ops.hsdp.paged_decode (server.engine.kernels): the plain Library API, straight to the Python
+_LIB = torch.library.Library("hsdp", "FRAGMENT")
+_LIB.define("paged_step(Tensor query_HTd, Tensor key_HNd, Tensor value_HNd, float scale, int window, float softcap, "
+            "Tensor? sinks_H) -> Tensor")
+_LIB.impl("paged_step", _paged_step, "CompositeExplicitAutograd")
+torch.library.register_fake("hsdp::paged_step", _paged_step_fake, lib=_LIB)
+paged_step = torch.ops.hsdp.paged_step.default
 
 
 def _unpaged(module, query, key, value, attention_mask, *, softcap, s_aux, **kwargs):

@@ -29,9 +29,12 @@ Which graphs, is ``--compile-batch-sizes`` (:class:`server.config.CompileSizes`)
   runs a symbolic batch as fast as a fixed one.
 
 Only the KV pools' slot count and the sequences' context length (a size that reaches nothing but
-the decode attention op, :mod:`server.engine.kernels`) are symbolic besides. Steps with prompt
-chunks, and decode steps larger than the largest static size where there is no open one, run
-eagerly. Eager stays the reference (the exactness tests compare the two token for token) and the
+the decode attention op, :mod:`server.engine.kernels`) are symbolic besides. The layers' open graph
+also takes steps that carry prompt chunks (:meth:`CompiledDecode.takes_whole_step`): its attention
+is one opaque op over the whole step (``torch.ops.hsdp.paged_step``, which reads the step's layout
+when it runs: ``attention.whole_step_op``), so nothing in it depends on what a step carries but its
+rows. Steps with prompt chunks under the model's graph or below the open size, and decode steps
+larger than the largest static size where there is no open one, run eagerly. Eager stays the reference (the exactness tests compare the two token for token) and the
 fallback.
 
 A padding row is token 0 at position 0 whose key and value go to the KV pool's scratch block
@@ -61,7 +64,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from server.engine.attention import LAYER_POOLS, one_decode_inline
+from server.engine.attention import LAYER_POOLS, one_decode_inline, step_layout, whole_step_op
 from server.engine.cores import threads_inside
 from server.engine.linears import plain_forwards
 
@@ -276,11 +279,15 @@ class _CompiledLayers:
         cache.pools_in_kwargs = True
         try:
             # traced (and guards evaluated) with a sequence alone's attention in its graph
-            # a sequence alone's products as inductor's reductions, not packed linears (plain_forwards)
+            # a sequence alone's products as inductor's reductions, not packed linears (plain_forwards);
+            # the open graph's attention one op over the step, whatever it carries (whole_step_op)
+            open_graph = graph.endswith("+")
             with one_decode_inline() if self.compiling else contextlib.nullcontext(), \
                     self.head.installed(self.compiling) if graph == "1" else contextlib.nullcontext(), \
                     plain_forwards(layer for layer, _ in self.layers) if graph == "1" and self.compiling \
-                    else contextlib.nullcontext():
+                    else contextlib.nullcontext(), \
+                    whole_step_op() if open_graph and self.compiling else contextlib.nullcontext(), \
+                    step_layout(cache.layout) if open_graph else contextlib.nullcontext():
                 yield
         finally:
             cache.pools_in_kwargs = False
@@ -409,6 +416,7 @@ class CompiledDecode:
         else:
             raise ValueError(f"--compile-region: {region!r} is neither layer nor model")
         self.calls = 0  # decode forwards run compiled, warm-up included
+        self.whole_steps = 0  # steps that carry prompt chunks run through the open graph (takes_whole_step)
         self.warm = False
         # the model's graph: guards skipped after the warm-up (:meth:`_stance`); off for good after a
         # call no graph fit (the layers' graphs are called without guards: pad() admits what they fit)
@@ -446,6 +454,16 @@ class CompiledDecode:
         items += [(0, 1, [scratch_block])] * extra
         keep += [bucket - 1] * (bucket - len(keep))  # a static size: the logits of padding rows, dropped
         self.padded_rows += extra
+        return True
+
+    def takes_whole_step(self, rows: int) -> bool:
+        """Whether a step that carries prompt chunks (``rows`` tokens in all) runs through the layers'
+        open graph, whose attention is one op over whatever the step carries (the decoding
+        sequences, the chunks: ``attention.whole_step_op``): with the layer region, an open size,
+        and at least its rows. The model's graph, and static sizes, hold decode steps only."""
+        if self._layers is None or not self.sizes.in_open_graph(rows):
+            return False
+        self.whole_steps += 1
         return True
 
     def entry_threads(self, threads: int) -> int:

@@ -198,8 +198,9 @@ class RankEngine:
         keep = sample_rows + [row + i for _, row, _, count in scored for i in range(count)]
         decode_only = not scored and all(count == 1 for _, count, _ in items)
         forward = self.model
-        if decode_only and self.compiled is not None and self.compiled.pad(ids, positions, items, keep,
-                                                                           self.cache.scratch_block):
+        if self.compiled is not None and (
+                self.compiled.pad(ids, positions, items, keep, self.cache.scratch_block) if decode_only
+                else self.compiled.takes_whole_step(len(ids))):
             # the layers' graphs at the plan's threads; the model's graph at the count it was compiled at,
             # its opaque ops at the plan's (server.engine.compiled.CompiledDecode.entry_threads)
             forward = functools.partial(self.compiled.forward, threads=threads)
