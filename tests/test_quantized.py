@@ -249,7 +249,7 @@ def test_int8_weight_only_decode_rows_go_through_torchs_kernel_in_bf16():
     """``--quantization int8``'s layers (INT8 by channel, weight-only) in bf16: a forward of up to
     INT8_KERNEL_MAX_ROWS rows is torch's int8 kernel on the stored weight, within bf16 rounding of
     the dequantized reference; more rows, float32, and W8A8 (activations quantized) stay on the
-    reference bit for bit."""
+    reference bit for bit; a compiled graph of symbolic rows equals eager at every count."""
     from loaders.quantization.linear import INT8_KERNEL_MAX_ROWS, QuantizedLinear
     from loaders.quantization.on_load import on_load_format, quantize_rows
 
@@ -274,6 +274,11 @@ def test_int8_weight_only_decode_rows_go_through_torchs_kernel_in_bf16():
                 torch.testing.assert_close(got.float(), reference.float(), rtol=2e-2, atol=2e-3)
             else:
                 assert torch.equal(got, reference), (dtype, rows)
+    # one opaque op takes both branches, so a graph of symbolic rows computes what eager does at every count
+    compiled = torch.compile(layer, dynamic=True, fullgraph=True)
+    for rows in (2, 9, INT8_KERNEL_MAX_ROWS + 7):
+        x = torch.randn(1, rows, 64).to(torch.bfloat16)
+        assert torch.equal(compiled(x), layer(x)), rows
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     from loaders.quantization.formats import LinearFormat
@@ -282,3 +287,45 @@ def test_int8_weight_only_decode_rows_go_through_torchs_kernel_in_bf16():
     w8a8 = LinearFormat("int-quantized", scheme=QuantizationScheme(targets=["Linear"], weights=fmt.scheme.weights,
                                                                    input_activations=tokens))
     assert not QuantizedLinear(64, 48, w8a8, {n: t.dtype for n, t in stored.items()}, None)._int8_kernel
+
+
+def _compiled_and_eager(rank, world_size, paths):
+    """Each quantized model, every unit resident, through the engine eagerly and with compiled layers
+    (the CPU default sizes 1,2+): greedy tokens of three prompts and what ran compiled."""
+    from loaders import load_hsdp_model
+    from server.config import COMPILE_BATCH_SIZES
+    from shard_engine import HSDPInferenceConfig, set_resident_units
+    from tests.test_engine import Harness
+
+    out = {}
+    for name, (path, quantize) in paths.items():
+        loaded = load_hsdp_model(path, HSDPInferenceConfig(), dtype=torch.float32, quantize=quantize)
+        set_resident_units(loaded.model, -1, shared=True)
+        got = {}
+        for mode in ("eager", "compiled"):
+            harness = Harness(loaded.model, blocks=64, block_size=4, prefill=64)
+            harness.scheduler.eos_token_ids = set()
+            if mode == "compiled":
+                harness.engines[0].compile_decode(sizes=COMPILE_BATCH_SIZES["cpu"], region="layer", graph_dir="")
+            gen = torch.Generator().manual_seed(1)
+            prompts = [torch.randint(3, loaded.config.vocab_size, (n,), generator=gen).tolist() for n in (13, 6, 9)]
+            outs = [harness.submit(p, 4 + 3 * i) for i, p in enumerate(prompts)]
+            harness.run(lambda: all(o["finish"] is not None or o["error"] for o in outs))
+            got[mode] = [o["tokens"] if o["error"] is None else o["error"] for o in outs]
+        compiled = harness.engines[0].compiled
+        got["batches"], got["whole_steps"] = sorted(compiled.batches), compiled.whole_steps
+        set_resident_units(loaded.model, 0)
+        out[name] = got
+    return out
+
+
+def test_compiled_layers_over_quantized_layers_equal_eager(tmp_path):
+    """``--compile decode`` over a quantized checkpoint (W8A8: the input fake-quantized in the graph)
+    and over ``--quantization int8``: the layers' graphs hold the quantized layers' dequantization,
+    and greedy tokens equal eager's in float32 (steps of 3, 2 and 1 sequences and the prompts' step)."""
+    base = write_checkpoint(tmp_path / "base", "llama")
+    paths = {"w8a8": (qc.write_compressed_w8a8(tmp_path / "w8a8", base=base), None), "int8": (base, "int8")}
+    [got] = values(run_ranks(_compiled_and_eager, 1, tmp_path, paths, timeout=600))
+    for name, result in got.items():
+        assert result["compiled"] == result["eager"], (name, result)
+        assert {1, 2, 3} <= set(result["batches"]) and result["whole_steps"] >= 1, (name, result)

@@ -15,7 +15,8 @@ weights with one symmetric scale per output row and unquantized activations (``i
 weight-only, what ``--quantization int8`` writes), computed in bf16 or fp16 on CPU, for a forward
 of at most :data:`INT8_KERNEL_MAX_ROWS` rows (a decode step's) go through
 ``torch._weight_int8pack_mm``, which multiplies by the int8 weight and scales each output after
-the sum. That is the exact product of the stored weights, where transformers' bf16 load rounds
+the sum (both branches inside one opaque op, ``torch.ops.hsdp.int8_linear``, so that a compiled
+graph takes the same branch as eager for every row count). That is the exact product of the stored weights, where transformers' bf16 load rounds
 each dequantized weight to bf16 first: outputs within bf16 rounding of the reference, not bit-equal
 (float32, prompt chunks and other formats keep the reference path; on CPUs without AVX-512
 the kernel is slower than the reference and :func:`int8_kernel_refusal` says so).
@@ -41,6 +42,32 @@ grows with the rows (about 1 ms a row over the bench Llama's 77 linears on one A
 dequantizing's is nearly fixed. Served at 16 clients, 64 gave a later first token than 16 (steps that
 carry a prompt chunk: benchmarks/RESULTS.md, session 23)."""
 INT8_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``torch.ops.hsdp.int8_linear``: an INT8 weight-only layer by channel (symmetric; ``scale``
+    [out, 1]) in bf16 or fp16: torch's int8 kernel for up to :data:`INT8_KERNEL_MAX_ROWS` rows,
+    else the weight dequantized as compressed-tensors does it (``weight.to(dtype) * scale``, the
+    model's dtype: bit-equal to its decompress, tested) and ``F.linear``. An opaque op, so that a
+    compiled graph of symbolic rows (decode steps and prompt steps alike) chooses when it runs."""
+    rows = x.shape[:-1].numel()
+    if 0 < rows <= INT8_KERNEL_MAX_ROWS:
+        out = torch._weight_int8pack_mm(x.reshape(rows, x.shape[-1]).contiguous(), weight,
+                                        scale.reshape(-1).to(x.dtype))
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight.to(x.dtype) * scale.to(x.dtype), bias)
+
+
+def _int8_linear_fake(x, weight, scale, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+_LIB = torch.library.Library("hsdp", "FRAGMENT")
+_LIB.define("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor")
+_LIB.impl("int8_linear", _int8_linear, "CompositeExplicitAutograd")
+torch.library.register_fake("hsdp::int8_linear", _int8_linear_fake, lib=_LIB)
 
 
 def int8_kernel_refusal() -> str | None:
@@ -139,24 +166,13 @@ class QuantizedLinear(nn.Module):
         return self._compressor.decompress(state, fmt.scheme)["weight"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[:-1].numel()
-        # (a symbolic row count, a compiled graph's open size, may grow past the bound: the reference)
-        if (self._int8_kernel and _INT8_KERNEL and x.dtype in INT8_KERNEL_DTYPES and x.device.type == "cpu"
-                and type(rows) is int and 0 < rows <= INT8_KERNEL_MAX_ROWS):
-            return self._int8_forward(x)
+        if self._int8_kernel and _INT8_KERNEL and x.dtype in INT8_KERNEL_DTYPES and x.device.type == "cpu":
+            return torch.ops.hsdp.int8_linear.default(x, self.weight, self.weight_scale, self.bias)
         weight = self.dequantized_weight(x.dtype).to(x.dtype)
         scheme = self.format.scheme
         if scheme is not None and scheme.input_activations is not None:
             x = quantize_input(x, scheme.input_activations)
         return F.linear(x, weight, self.bias)
-
-    def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``int-quantized`` INT8 weight-only by channel, through torch's kernel (the module's docstring)."""
-        rows = x.reshape(-1, self.in_features).contiguous()
-        out = torch._weight_int8pack_mm(rows, self.weight, self.weight_scale.reshape(-1).to(x.dtype))
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
-        return out.view(*x.shape[:-1], self.out_features)
 
     def _check_shape(self) -> None:
         stored = getattr(self, "weight_shape", None)
