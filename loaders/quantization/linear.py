@@ -33,6 +33,7 @@ from torch import nn
 
 from loaders.errors import CheckpointError
 from loaders.quantization.formats import LinearFormat, QuantizationPlan, fp8_scale_shape
+from shard_engine.ops import define_op
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +65,8 @@ def _int8_linear_fake(x, weight, scale, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-_LIB = torch.library.Library("hsdp", "FRAGMENT")
-_LIB.define("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor")
-_LIB.impl("int8_linear", _int8_linear, "CompositeExplicitAutograd")
-torch.library.register_fake("hsdp::int8_linear", _int8_linear_fake, lib=_LIB)
+int8_linear = define_op("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor", _int8_linear,
+                        _int8_linear_fake)
 
 
 def int8_kernel_refusal() -> str | None:
@@ -167,7 +166,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._int8_kernel and _INT8_KERNEL and x.dtype in INT8_KERNEL_DTYPES and x.device.type == "cpu":
-            return torch.ops.hsdp.int8_linear.default(x, self.weight, self.weight_scale, self.bias)
+            return int8_linear(x, self.weight, self.weight_scale, self.bias)
         weight = self.dequantized_weight(x.dtype).to(x.dtype)
         scheme = self.format.scheme
         if scheme is not None and scheme.input_activations is not None:

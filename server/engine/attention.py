@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from server.engine.cores import follow_threads
 from server.engine.kernels import NO_SOFTCAP, NO_WINDOW, decode_one, paged_decode, probabilities
+from shard_engine.ops import define_op
 
 ATTN_IMPLEMENTATION = "hsdp_paged"
 EXPLICIT_SCORES_BYTES = 64 << 20
@@ -287,13 +288,8 @@ def _paged_step_fake(query_HTd, key_HNd, value_HNd, scale, window, softcap, sink
     return query_HTd.new_empty(query_HTd.shape[1], query_HTd.shape[0], value_HNd.shape[-1])
 
 
-# as torch.ops.hsdp.paged_decode (server.engine.kernels): the plain Library API, straight to the Python
-_LIB = torch.library.Library("hsdp", "FRAGMENT")
-_LIB.define("paged_step(Tensor query_HTd, Tensor key_HNd, Tensor value_HNd, float scale, int window, float softcap, "
-            "Tensor? sinks_H) -> Tensor")
-_LIB.impl("paged_step", _paged_step, "CompositeExplicitAutograd")
-torch.library.register_fake("hsdp::paged_step", _paged_step_fake, lib=_LIB)
-paged_step = torch.ops.hsdp.paged_step.default
+paged_step = define_op("paged_step(Tensor query_HTd, Tensor key_HNd, Tensor value_HNd, float scale, int window, "
+                       "float softcap, Tensor? sinks_H) -> Tensor", _paged_step, _paged_step_fake)
 
 
 def _unpaged(module, query, key, value, attention_mask, *, softcap, s_aux, **kwargs):

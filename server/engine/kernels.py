@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from server.engine.cores import follow_threads
+from shard_engine.ops import define_op
 
 NO_WINDOW = 0
 NO_SOFTCAP = 0.0
@@ -152,12 +153,7 @@ def _paged_decode_fake(query_HSd, key_HNd, value_HNd, slots_SL, valid_SL, positi
     return query_HSd.new_empty(num_seqs, heads, value_HNd.shape[-1])
 
 
-# Declared with the plain Library API, its kernel the CompositeExplicitAutograd one: a call goes
-# from the dispatcher straight to the Python function. (torch.library.custom_op adds Python
-# autograd and redispatch layers around it, a third of the op's host time at hidden size 64.)
-_LIB = torch.library.Library("hsdp", "FRAGMENT")
-_LIB.define("paged_decode(Tensor query_HSd, Tensor key_HNd, Tensor value_HNd, Tensor slots_SL, Tensor valid_SL, "
-            "Tensor positions_L, Tensor contexts_S, float scale, int window, float softcap, Tensor? sinks_H) -> Tensor")
-_LIB.impl("paged_decode", _paged_decode, "CompositeExplicitAutograd")
-torch.library.register_fake("hsdp::paged_decode", _paged_decode_fake, lib=_LIB)
-paged_decode = torch.ops.hsdp.paged_decode.default
+paged_decode = define_op(
+    "paged_decode(Tensor query_HSd, Tensor key_HNd, Tensor value_HNd, Tensor slots_SL, Tensor valid_SL, "
+    "Tensor positions_L, Tensor contexts_S, float scale, int window, float softcap, Tensor? sinks_H) -> Tensor",
+    _paged_decode, _paged_decode_fake)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.engine.cores import follow_threads
+from shard_engine.ops import define_op
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +67,7 @@ def _linear_fake(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-_LIB = torch.library.Library("hsdp", "FRAGMENT")
-_LIB.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_LIB.impl("linear", _linear, "CompositeExplicitAutograd")
-torch.library.register_fake("hsdp::linear", _linear_fake, lib=_LIB)
-packed_linear = torch.ops.hsdp.linear.default
+packed_linear = define_op("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _linear, _linear_fake)
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
