@@ -328,9 +328,10 @@ class ServeConfig:
                              "on every rank; auto: shm where every rank maps the same /dev/shm", "speed",
                              choices=ALL_GATHERS)
     compile: str = option(
-        "none", "decode: decode-only steps run through torch.compile'd code (inductor) instead of eager module calls "
-        "(needs every unit resident; compiled at startup while /ready says compiling: see --compile-region); "
-        "none: eager", "speed", choices=COMPILE_MODES)
+        "none", "decode: decode steps run through torch.compile'd code (inductor) instead of eager module calls, and "
+        "with --compile-region layer so do steps that carry prompt chunks, through the open size's graph (needs "
+        "every unit resident; compiled at startup while /ready says compiling: see --compile-region); none: eager",
+        "speed", choices=COMPILE_MODES)
     compile_region: str = option(
         "layer", "--compile decode: what one graph covers. layer: a decoder layer, one graph that every layer of a kind "
         "shares, called without dynamo between layers and kept on disk beside inductor's cache (on 2 CPU cores a "
