@@ -1,7 +1,8 @@
 """Decode steps through ``torch.compile`` (``--compile decode``).
 
 A *decode-only* forward (every sequence of the step computes one token; none asks for its
-prompt's log-probabilities) runs through ``torch.compile``'d code (inductor), with FSDP2's hooks
+prompt's log-probabilities), and with the layer region also a step that carries prompt chunks
+(the open graph, below), runs through ``torch.compile``'d code (inductor), with FSDP2's hooks
 out of the way (:class:`shard_engine.direct.DirectForward`). What one graph covers is
 ``--compile-region``:
 
