@@ -71,7 +71,8 @@ from benchmarks.models import bench_checkpoint, compute_dtype, parameter_count
 from tests.server_process import REPO, free_port
 
 SERVERS = ("transformers", "vllm", "llama.cpp", "hsdp", "hsdp-compiled", "hsdp-compiled-model", "hsdp-compiled-static",
-           "hsdp-sharded", "hsdp-gloo", "hsdp-resident", "hsdp-1rank", "hsdp-replicas", "hsdp-plain-linears", "hsdp-int8", "hsdp-int8-compiled")
+           "hsdp-sharded", "hsdp-gloo", "hsdp-resident", "hsdp-1rank", "hsdp-replicas", "hsdp-plain-linears",
+           "hsdp-int8", "hsdp-int8-compiled")
 PEERS = ("transformers", "vllm", "llama.cpp", "hsdp-1rank")
 """The servers each hsdp-serve variant is reported as a ratio to, where they ran."""
 VLLM = os.environ.get("HSDP_BENCH_VLLM", os.path.expanduser("~/.vllm-venv/bin/vllm"))

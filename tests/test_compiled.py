@@ -362,8 +362,9 @@ def _layer_region_family(family: str, graph_dir: str, packed: bool = False) -> d
 def test_compiled_layers_on_packed_linears_equal_eager_and_are_kept_on_disk(tmp_path):
     """``--compile decode`` beside ``--packed-linears`` (bf16's default where the CPU has bf16; float32
     here, which every CPU packs): each linear's forward, replaced on its instance, is one opaque op in
-    the open graph's layers, and the plain product in the one-sequence graph's; the graphs (and their guards, which name those forwards) are saved and loaded
-    again, and decode the tokens the packed eager steps decode."""
+    the open graph's layers, and the plain product in the one-sequence graph's; the graphs (and
+    their guards, which name those forwards) are saved and loaded again, and decode the tokens the
+    packed eager steps decode."""
     got = _layer_region_family("llama", graph_dir=str(tmp_path), packed=True)
     assert got["compiled"] == got["eager"] and (got["graphs"], got["loaded"]) == (2, 0), got
     assert got["head"] == "plain" and got["wrapped"] == [], got  # the head is a packed linear too

@@ -16,6 +16,7 @@ import shutil
 import pytest
 import torch
 
+from loaders.quantization.linear import int8_kernel_refusal
 import tests.quantized_checkpoints as qc
 from tests.checkpoints import PROMPTS, generate_ids, reference_generate, write_checkpoint
 from tests.dist import run_ranks, values
@@ -243,7 +244,7 @@ def test_quantize_while_streaming_equals_quantizing_by_hand(tmp_path):
             assert out[kind]["ids"] == references[kind], f"{kind} rank {rank}"
 
 
-@pytest.mark.skipif(__import__("loaders.quantization.linear", fromlist=["x"]).int8_kernel_refusal() is not None,
+@pytest.mark.skipif(int8_kernel_refusal() is not None,
                     reason="this CPU keeps INT8 weight-only layers on the reference path")
 def test_int8_weight_only_decode_rows_go_through_torchs_kernel_in_bf16():
     """``--quantization int8``'s layers (INT8 by channel, weight-only) in bf16: a forward of up to

@@ -165,11 +165,14 @@ def _compressed_plan(qc: dict, refuse) -> QuantizationPlan:
     return plan
 
 
+def enum_value(x) -> str | None:
+    """A compressed-tensors option as its text (its enums' ``value``, or the string given), or None."""
+    return str(getattr(x, "value", x)) if x is not None else None
+
+
 def _check_scheme(scheme, kind: str, where: str, refuse) -> None:
     w, a = scheme.weights, scheme.input_activations
-
-    def value(x):
-        return str(getattr(x, "value", x)) if x is not None else None
+    value = enum_value
 
     if w is None:
         raise refuse(f"{where}: activation-only quantization is not supported")

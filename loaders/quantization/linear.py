@@ -16,10 +16,11 @@ weight-only, what ``--quantization int8`` writes), computed in bf16 or fp16 on C
 of at most :data:`INT8_KERNEL_MAX_ROWS` rows (a decode step's) go through
 ``torch._weight_int8pack_mm``, which multiplies by the int8 weight and scales each output after
 the sum (both branches inside one opaque op, ``torch.ops.hsdp.int8_linear``, so that a compiled
-graph takes the same branch as eager for every row count). That is the exact product of the stored weights, where transformers' bf16 load rounds
-each dequantized weight to bf16 first: outputs within bf16 rounding of the reference, not bit-equal
-(float32, prompt chunks and other formats keep the reference path; on CPUs without AVX-512
-the kernel is slower than the reference and :func:`int8_kernel_refusal` says so).
+graph takes the same branch as eager for every row count). That is the exact product of the
+stored weights, where transformers' bf16 load rounds each dequantized weight to bf16 first:
+outputs within bf16 rounding of the reference, not bit-equal (float32, longer forwards and other
+formats keep the reference path; on CPUs without AVX-512 the kernel is slower than the reference
+and :func:`int8_kernel_refusal` says so).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loaders.errors import CheckpointError
-from loaders.quantization.formats import LinearFormat, QuantizationPlan, fp8_scale_shape
+from loaders.quantization.formats import LinearFormat, QuantizationPlan, enum_value, fp8_scale_shape
 from shard_engine.ops import define_op
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ def stored_shapes(fmt: LinearFormat, out_features: int, in_features: int) -> dic
         return {"weight": (out_features, in_features),
                 "weight_scale_inv": fp8_scale_shape(out_features, in_features, fmt.block)}
     w = fmt.scheme.weights
-    strategy = str(getattr(w.strategy, "value", w.strategy))
+    strategy = enum_value(w.strategy)
     groups = {"tensor": None, "channel": 1, "group": math.ceil(in_features / (w.group_size or in_features))}[strategy]
     scale = (1,) if groups is None else (out_features, groups)
     shapes: dict[str, tuple[int, ...]] = {}
@@ -136,10 +137,10 @@ class QuantizedLinear(nn.Module):
         # resolved once: a forward runs every step
         self._names = fmt.stored_names
         self._compressor = None
+        # torch's int8 kernel, where the host has it: INT8 weight-only, symmetric, by channel
         w = fmt.scheme.weights if fmt.scheme is not None else None
-        self._int8_kernel = (fmt.kind == "int-quantized" and fmt.scheme.input_activations is None
-                             and w.num_bits == 8 and w.symmetric
-                             and str(getattr(w.strategy, "value", w.strategy)) == "channel")
+        self._int8_kernel = (_INT8_KERNEL and fmt.kind == "int-quantized" and fmt.scheme.input_activations is None
+                             and w.num_bits == 8 and w.symmetric and enum_value(w.strategy) == "channel")
         if fmt.kind != "fp8-block":
             from compressed_tensors.compressors import BaseCompressor
 
@@ -165,7 +166,7 @@ class QuantizedLinear(nn.Module):
         return self._compressor.decompress(state, fmt.scheme)["weight"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._int8_kernel and _INT8_KERNEL and x.dtype in INT8_KERNEL_DTYPES and x.device.type == "cpu":
+        if self._int8_kernel and x.dtype in INT8_KERNEL_DTYPES and x.device.type == "cpu":
             return int8_linear(x, self.weight, self.weight_scale, self.bias)
         weight = self.dequantized_weight(x.dtype).to(x.dtype)
         scheme = self.format.scheme

@@ -35,8 +35,8 @@ also takes steps that carry prompt chunks (:meth:`CompiledDecode.takes_whole_ste
 is one opaque op over the whole step (``torch.ops.hsdp.paged_step``, which reads the step's layout
 when it runs: ``attention.whole_step_op``), so nothing in it depends on what a step carries but its
 rows. Steps with prompt chunks under the model's graph or below the open size, and decode steps
-larger than the largest static size where there is no open one, run eagerly. Eager stays the reference (the exactness tests compare the two token for token) and the
-fallback.
+larger than the largest static size where there is no open one, run eagerly. Eager stays the
+reference (the exactness tests compare the two token for token) and the fallback.
 
 A padding row is token 0 at position 0 whose key and value go to the KV pool's scratch block
 (``PagedKVCache.scratch_block``, which the scheduler never hands out) and whose logits are
