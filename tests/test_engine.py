@@ -116,6 +116,33 @@ def test_chunked_prefill_beside_decodes_equals_generate(model_and_reference):
         assert out["tokens"] == reference(prompt, 12) and out["finish"] in ("length", "eos_token")
 
 
+def test_a_wave_of_prompts_shares_the_prefill_budget_and_a_lone_prompt_takes_it_all():
+    """The step's prompt budget is shared by the prompts in flight on a rank (a wave's first tokens
+    come as each prompt is done, not all after one long step), never below an eighth of it; a
+    prompt alone takes the whole budget."""
+    from server.engine import BlockPool, RequestHandle, SamplingParams, Scheduler
+
+    def prompt_tokens(plan):
+        return [sum(w.count for w in plan.work.get(rank, []) if w.count > 1) for rank in (0, 1)]
+
+    def scheduler():
+        return Scheduler(pools=[BlockPool(400, 4, prefix_caching=False) for _ in range(2)], replicas=[[0, 1]],
+                         max_running=64, max_total_tokens=2048, eos_token_ids=set(), max_prefill_tokens=512,
+                         idle_wait_s=0.01)
+
+    alone = scheduler()
+    alone.submit(RequestHandle(list(range(3, 1003)), SamplingParams(max_new_tokens=4), deliver=lambda e: None))
+    assert sorted(prompt_tokens(alone.next_plan())) == [0, 512]
+    wave = scheduler()
+    for i in range(16):  # 8 a rank of 25 tokens: 512 / 8 = 64 tokens a step each
+        wave.submit(RequestHandle([3 + i] * 25, SamplingParams(max_new_tokens=4), deliver=lambda e: None))
+    assert prompt_tokens(wave.next_plan()) == [64, 64]
+    crowd = scheduler()
+    for i in range(64):  # 32 a rank: never below 512 / MIN_PREFILL_SHARE
+        crowd.submit(RequestHandle([3 + i] * 25, SamplingParams(max_new_tokens=4), deliver=lambda e: None))
+    assert prompt_tokens(crowd.next_plan()) == [64, 64]
+
+
 def test_prefix_hits_are_used_and_exact(model_and_reference):
     model, reference = model_and_reference
     shared = _prompts(1, [24], seed=5)[0]
