@@ -42,6 +42,12 @@ Formats (tensor names are per quantized linear ``<m>``, e.g. ``model.layers.0.ml
     ``<m>.weight`` float8_e4m3fn [out, in], ``<m>.weight_scale`` float32 [out, 1] (``"channel"``) or
     [1] (``"tensor"``); input activations dynamic per-token FP8.
 
+``write_gptq`` -- AutoGPTQ / GPTQModel ``quant_method: "gptq"`` (2, 4 or 8 bits, groups, optional
+    activation order through ``g_idx``, ``checkpoint_format`` v1 ``"gptq"`` or ``"gptq_v2"``), and
+``write_awq`` -- AutoAWQ's GEMM layout (``quant_method: "awq"``, 4 bits): packed by hand from the
+    formats' specifications, since no CPU library loads them (transformers needs GPTQModel, which
+    builds kernels); their reference is ``write_dequantized``'s dense copy.
+
 The ``dequantize_*`` / ``fake_quantize_*`` functions re-implement, by hand, the arithmetic transformers
 5.24 + compressed-tensors 0.20.1 apply on CPU in float32 (they match it bit for bit); ``read_tensors``
 and ``quantization_config`` read a written checkpoint back; ``dequantized_state_dict`` /
@@ -392,6 +398,141 @@ def write_compressed_fp8(path, *, base=None, weight_strategy="channel", seed=0,
 
 
 # ---------------------------------------------------------------------------------------------
+# 5-6. GPTQ and AWQ, packed by hand from their specifications (no CPU library loads them)
+# ---------------------------------------------------------------------------------------------
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: code i of a word holds column AWQ_ORDER[i] of its 8
+
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 words in [0, 2**32) as the int32 a checkpoint stores (two's complement)."""
+    words = words & 0xFFFFFFFF
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def pack_codes(codes: torch.Tensor, bits: int, dim: int, order=None) -> torch.Tensor:
+    """``bits``-wide codes (0 <= code < 2**bits) of a 2-D tensor into int32 words along ``dim``, code j of
+    a word at bits ``[bits*j, bits*(j+1))``; ``order``: which of the word's values each code holds."""
+    per = 32 // bits
+    c = codes.to(torch.int64) if dim == 1 else codes.to(torch.int64).t()
+    c = c.reshape(c.shape[0], -1, per)
+    words = torch.zeros(c.shape[:2], dtype=torch.int64)
+    for j in range(per):
+        words |= c[:, :, (order or range(per))[j]] << (bits * j)
+    return _to_int32(words if dim == 1 else words.t())
+
+
+def unpack_codes_by_hand(words: torch.Tensor, bits: int, dim: int, order=None) -> torch.Tensor:
+    """The inverse of ``pack_codes``: int64 codes."""
+    per = 32 // bits
+    w = (words.to(torch.int64) & 0xFFFFFFFF) if dim == 1 else (words.to(torch.int64) & 0xFFFFFFFF).t()
+    out = torch.zeros(w.shape[0], w.shape[1], per, dtype=torch.int64)
+    for j in range(per):
+        out[:, :, (order or range(per))[j]] = (w >> (bits * j)) & ((1 << bits) - 1)
+    out = out.reshape(w.shape[0], -1)
+    return out if dim == 1 else out.t()
+
+
+def _quantize_groups(w: torch.Tensor, groups: torch.Tensor, bits: int, symmetric: bool):
+    """Min-max quantization of ``w`` [in, out] by input group (``groups[i]``: row i's group):
+    (codes [in, out], fp16 scales [n, out], zero points [n, out]), GPTQ's and AWQ's arithmetic."""
+    maxq = 2 ** bits - 1
+    n = int(groups.max()) + 1
+    scales = torch.empty(n, w.shape[1])
+    zeros = torch.empty(n, w.shape[1], dtype=torch.int64)
+    for g in range(n):
+        rows = w[groups == g]
+        if symmetric:
+            scale = (2 * rows.abs().amax(0) / maxq).clamp(min=1e-6)
+            zero = torch.full((w.shape[1],), (maxq + 1) // 2)
+        else:
+            lo, hi = rows.amin(0).clamp(max=0), rows.amax(0).clamp(min=0)
+            scale = ((hi - lo) / maxq).clamp(min=1e-6)
+            zero = torch.round(-lo / scale).clamp(0, maxq).to(torch.int64)
+        scales[g], zeros[g] = scale, zero
+    scales = scales.to(torch.float16)
+    codes = torch.round(w / scales.float()[groups]) + zeros[groups]
+    return codes.clamp(0, maxq).to(torch.int64), scales, zeros
+
+
+def write_gptq(path, *, base=None, bits=4, group_size=16, symmetric=True, act_order=False,
+               checkpoint_format="gptq", seed=0, max_shard_size=DEFAULT_SHARD) -> str:
+    """AutoGPTQ / GPTQModel checkpoint (``quant_method: "gptq"``): per linear ``<m>.qweight`` int32
+    [in*bits/32, out] (codes packed along the input, LSB first), ``<m>.qzeros`` int32
+    [groups, out*bits/32] (packed along the output; ``checkpoint_format`` ``"gptq"`` stores each zero
+    point minus one, ``"gptq_v2"`` as is), ``<m>.scales`` fp16 [groups, out], ``<m>.g_idx`` int32 [in]
+    (row i's group: ``i // group_size``, or with ``act_order`` its rank in a random order // group)."""
+    path = _prepare_out(path)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with _base_checkpoint(base, seed) as base_dir:
+        tensors = read_tensors(base_dir)
+        out: dict[str, torch.Tensor] = {}
+        for name in sorted(tensors, key=_natural_key):
+            t = tensors[name]
+            if not _is_quantized_linear(name):
+                out[name] = t.to(torch.float32)
+                continue
+            m = name[: -len(".weight")]
+            w = t.to(torch.float32).t()  # [in, out]
+            order = torch.randperm(w.shape[0], generator=gen) if act_order else torch.arange(w.shape[0])
+            g_idx = torch.empty(w.shape[0], dtype=torch.int64)
+            g_idx[order] = torch.arange(w.shape[0]) // group_size
+            codes, scales, zeros = _quantize_groups(w, g_idx, bits, symmetric)
+            stored_zeros = zeros - (1 if checkpoint_format == "gptq" else 0)
+            out[m + ".qweight"] = pack_codes(codes, bits, 0)
+            out[m + ".qzeros"] = pack_codes(stored_zeros & (2 ** bits - 1), bits, 1)
+            out[m + ".scales"] = scales
+            out[m + ".g_idx"] = g_idx.to(torch.int32)
+        write_shards(path, out, max_shard_size, order=list(out))
+        _copy_side_files(base_dir, path, {"quant_method": "gptq", "bits": bits, "group_size": group_size,
+                                          "desc_act": act_order, "sym": symmetric,
+                                          "checkpoint_format": checkpoint_format})
+    return path
+
+
+def write_awq(path, *, base=None, group_size=16, seed=0, max_shard_size=DEFAULT_SHARD) -> str:
+    """AutoAWQ GEMM checkpoint (``quant_method: "awq"``, 4 bits, zero points): per linear
+    ``<m>.qweight`` int32 [in, out/8] (codes packed along the output in ``AWQ_ORDER``), ``<m>.qzeros``
+    int32 [groups, out/8] (likewise), ``<m>.scales`` fp16 [groups, out]."""
+    path = _prepare_out(path)
+    with _base_checkpoint(base, seed) as base_dir:
+        tensors = read_tensors(base_dir)
+        out: dict[str, torch.Tensor] = {}
+        for name in sorted(tensors, key=_natural_key):
+            t = tensors[name]
+            if not _is_quantized_linear(name):
+                out[name] = t.to(torch.float32)
+                continue
+            m = name[: -len(".weight")]
+            w = t.to(torch.float32).t()
+            codes, scales, zeros = _quantize_groups(w, torch.arange(w.shape[0]) // group_size, 4, False)
+            out[m + ".qweight"] = pack_codes(codes, 4, 1, AWQ_ORDER)
+            out[m + ".qzeros"] = pack_codes(zeros, 4, 1, AWQ_ORDER)
+            out[m + ".scales"] = scales
+        write_shards(path, out, max_shard_size, order=list(out))
+        _copy_side_files(base_dir, path, {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                                          "zero_point": True, "version": "gemm",
+                                          "modules_to_not_convert": None})
+    return path
+
+
+def dequantize_gptq_by_hand(qweight, qzeros, scales, g_idx, bits: int, checkpoint_format: str) -> torch.Tensor:
+    """GPTQ's dequantization, from its specification: [out, in] float32,
+    ``scale[g] * (code - zero[g])`` with ``g = g_idx[i]``, a v1 zero point its stored code plus one."""
+    codes = unpack_codes_by_hand(qweight, bits, 0)
+    zeros = unpack_codes_by_hand(qzeros, bits, 1) + (1 if checkpoint_format == "gptq" else 0)
+    g = g_idx.to(torch.int64)
+    return ((codes - zeros[g]).to(torch.float32) * scales.to(torch.float32)[g]).t()
+
+
+def dequantize_awq_by_hand(qweight, qzeros, scales, group_size: int) -> torch.Tensor:
+    codes = unpack_codes_by_hand(qweight, 4, 1, AWQ_ORDER)
+    zeros = unpack_codes_by_hand(qzeros, 4, 1, AWQ_ORDER)
+    g = torch.arange(codes.shape[0]) // group_size
+    return ((codes - zeros[g]).to(torch.float32) * scales.to(torch.float32)[g]).t()
+
+
+# ---------------------------------------------------------------------------------------------
 # exact references for what transformers + compressed-tensors compute on CPU
 # ---------------------------------------------------------------------------------------------
 
@@ -484,6 +625,21 @@ def dequantized_state_dict(path) -> dict[str, torch.Tensor]:
                 continue
             s = tensors.get(k + "_scale_inv")
             out[k] = dequantize_fp8_block(v, s, block) if s is not None else v.to(torch.float32)
+        return out
+    if qc.get("quant_method") in ("gptq", "awq"):
+        for k, v in tensors.items():
+            m, _, leaf = k.rpartition(".")
+            if leaf in ("qzeros", "scales", "g_idx"):
+                continue
+            if leaf != "qweight":
+                out[k] = v.to(torch.float32)
+            elif qc["quant_method"] == "gptq":
+                out[m + ".weight"] = dequantize_gptq_by_hand(v, tensors[m + ".qzeros"], tensors[m + ".scales"],
+                                                             tensors[m + ".g_idx"], qc["bits"],
+                                                             qc.get("checkpoint_format", "gptq"))
+            else:
+                out[m + ".weight"] = dequantize_awq_by_hand(v, tensors[m + ".qzeros"], tensors[m + ".scales"],
+                                                            qc["group_size"])
         return out
     if qc.get("quant_method") != "compressed-tensors":
         return {k: v.to(torch.float32) for k, v in tensors.items()}

@@ -1,9 +1,10 @@
-"""Quantized checkpoints (FP8 blocks, compressed-tensors INT4/INT8/FP8): sharded by rows, exact.
+"""Quantized checkpoints (FP8 blocks, compressed-tensors INT4/INT8/FP8, GPTQ, AWQ): sharded by rows, exact.
 
 Greedy output on 2 and 3 ranks and a 2x2 mesh equals transformers' own load of the same
 checkpoint (float32; where transformers cannot load it, FP8 with partial edge blocks and
 asymmetric INT4, the dense checkpoint of exactly the weights transformers' dequantization
-gives); every quantized tensor stays a row-sharded DTensor in its stored dtype; each rank reads
+gives; for GPTQ and AWQ, which transformers loads only through GPTQModel's kernels, the dense
+checkpoint of the weights their specifications give, unpacked by hand); every quantized tensor stays a row-sharded DTensor in its stored dtype; each rank reads
 about 1/S of it; one server reports its quantized bytes; an unsupported quantization is refused
 in one line before anything is read; ``--quantization int8|fp8`` makes, rows by rows on each rank,
 the shards compressed-tensors' quantization of the whole checkpoint gives.
@@ -33,11 +34,17 @@ FORMATS = {
     "w8a8-bf16-scales": (lambda path, base: _bf16_scales(qc.write_compressed_w8a8(path, base=base)), True),
     "fp8-dynamic": (lambda path, base: qc.write_compressed_fp8(path, base=base), True),
     "fp8-tensor": (lambda path, base: qc.write_compressed_fp8(path, base=base, weight_strategy="tensor"), True),
+    "gptq": (lambda path, base: qc.write_gptq(path, base=base, bits=4, group_size=16), False),
+    "gptq-8-act-order-v2": (lambda path, base: qc.write_gptq(path, base=base, bits=8, group_size=32, symmetric=False,
+                                                            act_order=True, checkpoint_format="gptq_v2"), False),
+    "awq": (lambda path, base: qc.write_awq(path, base=base, group_size=16), False),
 }
 STORED = {"fp8-block": ("weight", torch.float8_e4m3fn), "fp8-block-16": ("weight", torch.float8_e4m3fn),
           "w8a8-bf16-scales": ("weight", torch.int8), "w4a16": ("weight_packed", torch.int32),
           "w4a16-asym": ("weight_packed", torch.int32), "w8a8": ("weight", torch.int8),
-          "fp8-dynamic": ("weight", torch.float8_e4m3fn), "fp8-tensor": ("weight", torch.float8_e4m3fn)}
+          "fp8-dynamic": ("weight", torch.float8_e4m3fn), "fp8-tensor": ("weight", torch.float8_e4m3fn),
+          "gptq": ("qweight", torch.int32), "gptq-8-act-order-v2": ("qweight", torch.int32),
+          "awq": ("qweight", torch.int32)}
 
 
 def _bf16_scales(path: str) -> str:
@@ -80,7 +87,7 @@ def _load_and_generate(rank, world_size, paths, mesh):
         up = loaded.model.model.layers[0].mlp.up_proj
         param = getattr(up, stored)
         assert isinstance(param, DTensor) and param.dtype == dtype, (name, type(param), param.dtype)
-        local_rows = param.to_local().shape[0]
+        local_rows = param.to_local().shape[0], param.shape[0]
         out[name] = {"ids": [generate_ids(loaded.model, loaded.tokenizer, p, TOKENS) for p in PROMPTS],
                      "bytes_read": loaded.stats.bytes_read, "checkpoint_bytes": loaded.stats.checkpoint_bytes,
                      "local_rows": local_rows, "layers": loaded.stats.quantized_layers}
@@ -90,7 +97,7 @@ def _load_and_generate(rank, world_size, paths, mesh):
 @pytest.mark.parametrize("mesh", [(1, 2), (1, 3), (2, 2)], ids=["2-ranks", "3-ranks", "2x2"])
 def test_greedy_matches_transformers_and_rows_are_sharded(tmp_path, quantized, mesh):
     # 3 ranks: 176-row linears split 59/59/58, so FP8's 32-row scale blocks straddle the shard edges
-    names = list(FORMATS) if mesh == (1, 2) else ["fp8-block", "w8a8"] if mesh == (1, 3) else ["w4a16"]
+    names = list(FORMATS) if mesh == (1, 2) else ["fp8-block", "w8a8", "gptq"] if mesh == (1, 3) else ["w4a16", "awq"]
     world = mesh[0] * mesh[1]
     results = values(run_ranks(_load_and_generate, world, tmp_path, {n: quantized[n][0] for n in names}, mesh,
                                timeout=420))
@@ -99,8 +106,9 @@ def test_greedy_matches_transformers_and_rows_are_sharded(tmp_path, quantized, m
             got = out[name]
             assert got["ids"] == quantized[name][1], f"{name} rank {rank} mesh {mesh}"
             assert sum(got["layers"].values()) >= 18, got["layers"]
-            chunk = -(-176 // mesh[1])  # FSDP2's rows a rank: torch.chunk's
-            assert got["local_rows"] == min(chunk, 176 - chunk * (rank % mesh[1])), (name, rank, got["local_rows"])
+            local, rows = got["local_rows"]  # up_proj's stored rows: 176 outputs, or GPTQ's/AWQ's packed inputs
+            chunk = -(-rows // mesh[1])  # FSDP2's rows a rank: torch.chunk's
+            assert local == min(chunk, rows - chunk * (rank % mesh[1])), (name, rank, got["local_rows"])
             # each rank reads its rows: about 1/S of the checkpoint (the norms and
             # weight_shape vectors are read whole by every rank)
             assert got["bytes_read"] < 1.15 * got["checkpoint_bytes"] / mesh[1], (name, got)
@@ -129,7 +137,11 @@ def test_server_serves_a_quantized_checkpoint_and_reports_its_bytes(quantized, t
 
 
 @pytest.mark.parametrize("qconfig, named", [
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "'gptq' is not supported"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq bits 3"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "'marlin'"),
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*lm_head": {}}}, "dynamic"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "'gemv'"),
+    ({"quant_method": "awq", "bits": 4, "zero_point": False}, "zero_point"),
     ({"quant_method": "mxfp4"}, "'mxfp4' is not supported"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "'static'"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": None}, "weight_block_size"),
@@ -157,6 +169,30 @@ def test_unsupported_quantization_is_named(qconfig, named):
     with pytest.raises(UnsupportedQuantizationError) as e:
         quantization_plan({"quantization_config": qconfig}, path="config.json")
     assert named in str(e.value) and "\n" not in str(e.value) and "config.json" in str(e.value)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_gptq_and_awq_unpack_as_their_specifications_say(bits):
+    """The server's vectorized unpacking against the loops of the formats' specifications, for every
+    GPTQ width (the served checkpoints cover 4 and 8 bits) and AWQ's interleaved order."""
+    from loaders.quantization.linear import dequantize_awq, dequantize_gptq
+
+    gen = torch.Generator().manual_seed(bits)
+    out, inn, group = 48, 64, 16
+    codes = torch.randint(0, 2 ** bits, (inn, out), generator=gen)
+    zeros = torch.randint(0, 2 ** bits, (inn // group, out), generator=gen)
+    scales = torch.rand(inn // group, out, generator=gen).to(torch.float16)
+    g_idx = torch.randperm(inn, generator=gen) // group
+    packed = qc.pack_codes(codes, bits, 0), qc.pack_codes(zeros, bits, 1)
+    for fmt, offset in (("gptq", 1), ("gptq_v2", 0)):
+        got = dequantize_gptq(*packed, scales, g_idx.to(torch.int32), bits, offset, inn, out)
+        assert torch.equal(got, qc.dequantize_gptq_by_hand(*packed, scales, g_idx, bits, fmt)), fmt
+    if bits == 4:
+        packed = qc.pack_codes(codes, 4, 1, qc.AWQ_ORDER), qc.pack_codes(zeros, 4, 1, qc.AWQ_ORDER)
+        got = dequantize_awq(*packed, scales, group, inn, out)
+        assert torch.equal(got, qc.dequantize_awq_by_hand(*packed, scales, group))
+        assert not torch.equal(got, dequantize_awq(qc.pack_codes(codes, 4, 1), qc.pack_codes(zeros, 4, 1),
+                                                   scales, group, inn, out))  # the order matters
 
 
 def test_the_most_specific_config_group_wins_and_strays_are_refused():
@@ -192,11 +228,11 @@ def test_the_most_specific_config_group_wins_and_strays_are_refused():
 def test_server_refuses_an_unsupported_method_before_reading(quantized, tmp_path):
     from tests.test_startup_failures import _start_and_wait
 
-    path = tmp_path / "gptq"
+    path = tmp_path / "bitsandbytes"
     shutil.copytree(quantized["w8a8"][0], path)
     with open(path / "config.json") as f:
         config = json.load(f)
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     with open(path / "config.json", "w") as f:
         json.dump(config, f)
     for shard in (f for f in os.listdir(path) if f.endswith(".safetensors")):
@@ -204,7 +240,7 @@ def test_server_refuses_an_unsupported_method_before_reading(quantized, tmp_path
     code, errors, elapsed, stderr = _start_and_wait(["--model", str(path), "--port", str(free_port())])
     assert code != 0 and elapsed < 60
     assert len(errors) == 1, stderr[-2000:]
-    assert "quant_method 'gptq' is not supported" in errors[0] and "config.json" in errors[0], errors
+    assert "quant_method 'bitsandbytes' is not supported" in errors[0] and "config.json" in errors[0], errors
 
 
 def _quantize_on_load(rank, world_size, base, by_hand):
@@ -321,11 +357,13 @@ def _compiled_and_eager(rank, world_size, paths):
 
 
 def test_compiled_layers_over_quantized_layers_equal_eager(tmp_path):
-    """``--compile decode`` over a quantized checkpoint (W8A8: the input fake-quantized in the graph)
-    and over ``--quantization int8``: the layers' graphs hold the quantized layers' dequantization,
+    """``--compile decode`` over a quantized checkpoint (W8A8: the input fake-quantized in the graph;
+    GPTQ with activation order: its codes unpacked and gathered by ``g_idx`` in the graph) and over
+    ``--quantization int8``: the layers' graphs hold the quantized layers' dequantization,
     and greedy tokens equal eager's in float32 (steps of 3, 2 and 1 sequences and the prompts' step)."""
     base = write_checkpoint(tmp_path / "base", "llama")
-    paths = {"w8a8": (qc.write_compressed_w8a8(tmp_path / "w8a8", base=base), None), "int8": (base, "int8")}
+    paths = {"w8a8": (qc.write_compressed_w8a8(tmp_path / "w8a8", base=base), None), "int8": (base, "int8"),
+             "gptq": (qc.write_gptq(tmp_path / "gptq", base=base, act_order=True), None)}
     [got] = values(run_ranks(_compiled_and_eager, 1, tmp_path, paths, timeout=600))
     for name, result in got.items():
         assert result["compiled"] == result["eager"], (name, result)

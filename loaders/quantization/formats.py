@@ -8,11 +8,16 @@ one the server computes exactly:
 * ``quant_method: compressed-tensors`` (what llm-compressor writes) in the formats
   ``pack-quantized`` (INT4/INT8 weight-only by channel or group, symmetric or with zero points),
   ``int-quantized`` (INT8 weights by channel, W8A8 with dynamic per-token activations) and
-  ``float-quantized`` (FP8 weights, weight-only or with dynamic per-token FP8 activations).
+  ``float-quantized`` (FP8 weights, weight-only or with dynamic per-token FP8 activations);
+* ``quant_method: gptq`` (AutoGPTQ / GPTQModel's ``gptq`` and ``gptq_v2`` checkpoint formats):
+  2-, 4- or 8-bit weights packed along the input into int32 ``qweight``, zero points packed along
+  the output into ``qzeros``, ``scales`` and ``g_idx`` per input row (activation ordering too);
+* ``quant_method: awq`` (AutoAWQ's ``gemm`` layout): 4-bit weights packed along the output in
+  AWQ's interleaved order, zero points likewise, ``scales`` by group.
 
-Anything else (another method: GPTQ, AWQ, MXFP4, bitsandbytes, ...; static activation scales, a
-quantized KV cache, sparsity, activation ordering, transforms) raises
-:class:`loaders.errors.UnsupportedQuantizationError` naming it.
+Anything else (another method: MXFP4, bitsandbytes, ...; 3-bit GPTQ, AWQ's GEMV layouts, static
+activation scales, a quantized KV cache, sparsity, compressed-tensors' activation ordering,
+transforms) raises :class:`loaders.errors.UnsupportedQuantizationError` naming it.
 """
 
 from __future__ import annotations
@@ -24,25 +29,41 @@ import torch
 
 from loaders.errors import UnsupportedQuantizationError
 
-SUPPORTED_METHODS = ("fp8", "compressed-tensors")
+SUPPORTED_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 COMPRESSED_FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
+GPTQ_BITS = (2, 4, 8)
+"""Bit widths whose codes tile an int32 word (GPTQ's 3-bit codes straddle words: refused)."""
+GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}
+"""GPTQ checkpoint formats and the offset their stored zero points carry: AutoGPTQ's original
+(``gptq``, "v1") stores each zero point minus one, GPTQModel's ``gptq_v2`` stores it as is."""
+AWQ_VERSIONS = ("gemm",)
 
 
 @dataclass(frozen=True)
 class LinearFormat:
-    """How one quantized linear is stored and computed. ``kind``: ``fp8-block`` or one of
-    :data:`COMPRESSED_FORMATS`; ``scheme``: compressed-tensors' ``QuantizationScheme`` of the
-    module (None for fp8); ``block``: fp8's (rows, columns) per scale."""
+    """How one quantized linear is stored and computed. ``kind``: ``fp8-block``, ``gptq``, ``awq``
+    or one of :data:`COMPRESSED_FORMATS`; ``scheme``: compressed-tensors' ``QuantizationScheme`` of
+    the module (None otherwise); ``block``: fp8's (rows, columns) per scale; ``bits``,
+    ``group_size`` (None: one group over the whole input), ``zero_offset`` (GPTQ's stored zero
+    points plus this are the zero points) and ``act_order`` for GPTQ and AWQ."""
 
     kind: str
     scheme: object = None
     block: tuple[int, int] | None = None
+    bits: int = 0
+    group_size: int | None = None
+    zero_offset: int = 0
+    act_order: bool = False
 
     @property
     def stored_names(self) -> tuple[str, ...]:
         """The module's tensors in the checkpoint (besides ``bias``)."""
         if self.kind == "fp8-block":
             return ("weight", "weight_scale_inv")
+        if self.kind == "gptq":
+            return ("qweight", "qzeros", "scales", "g_idx")
+        if self.kind == "awq":
+            return ("qweight", "qzeros", "scales")
         from compressed_tensors.compressors import BaseCompressor
 
         return tuple(BaseCompressor.get_value_from_registry(self.kind).compression_param_names(self.scheme))
@@ -50,6 +71,9 @@ class LinearFormat:
     def describe(self) -> str:
         if self.kind == "fp8-block":
             return f"fp8 e4m3, {self.block[0]}x{self.block[1]} blocks"
+        if self.kind in ("gptq", "awq"):
+            group = f"group {self.group_size}" if self.group_size else "per channel"
+            return f"{self.kind}: int{self.bits} {group}{' act-order' if self.act_order else ''}"
         w, a = self.scheme.weights, self.scheme.input_activations
         group = f" group {w.group_size}" if w.strategy == "group" else f" per {w.strategy}"
         act = f", {a.type}{a.num_bits} activations per {a.strategy} (dynamic)" if a is not None else ""
@@ -66,7 +90,7 @@ class QuantizationPlan:
 
     def format_for(self, name: str, module: torch.nn.Module) -> LinearFormat | None:
         """The format of linear ``name`` if the config quantizes it (the checkpoint confirms it)."""
-        if self.method == "fp8":
+        if self.method in ("fp8", "gptq", "awq"):  # every linear the checkpoint stores quantized
             if any(name == m or name.endswith("." + m) or name.startswith(m + ".") for m in self.ignore):
                 return None
             return self.formats[0][1]
@@ -109,6 +133,10 @@ def quantization_plan(config, path: str | None = None) -> QuantizationPlan | Non
         return _fp8_plan(qc, refuse)
     if method == "compressed-tensors":
         return _compressed_plan(qc, refuse)
+    if method == "gptq":
+        return _gptq_plan(qc, refuse)
+    if method == "awq":
+        return _awq_plan(qc, refuse)
     raise refuse(f"quant_method {qc.get('quant_method')!r} is not supported (supported: {', '.join(SUPPORTED_METHODS)})")
 
 
@@ -126,6 +154,46 @@ def _fp8_plan(qc: dict, refuse) -> QuantizationPlan:
         raise refuse(f"fp8 weight_block_size {block!r} is not two positive integers")
     fmt = LinearFormat("fp8-block", block=(int(block[0]), int(block[1])))
     return QuantizationPlan("fp8", [(["Linear"], fmt)], list(qc.get("modules_to_not_convert") or []))
+
+
+def _group_size(qc: dict, refuse) -> int | None:
+    group = qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(group, int) or (group < 1 and group != -1):
+        raise refuse(f"{qc.get('quant_method')} group_size {group!r} is not a positive integer or -1")
+    return None if group == -1 else group
+
+
+def _gptq_plan(qc: dict, refuse) -> QuantizationPlan:
+    """AutoGPTQ / GPTQModel checkpoints (transformers' ``GPTQConfig``)."""
+    bits = qc.get("bits")
+    if bits not in GPTQ_BITS:
+        raise refuse(f"gptq bits {bits!r} are not supported (supported: {', '.join(map(str, GPTQ_BITS))})")
+    fmt = qc.get("checkpoint_format", qc.get("format", "gptq")) or "gptq"
+    if fmt not in GPTQ_FORMATS:
+        raise refuse(f"gptq checkpoint_format {fmt!r} is not supported (supported: {', '.join(GPTQ_FORMATS)})")
+    if qc.get("dynamic"):
+        raise refuse("gptq dynamic (per-module bits and groups) is not supported")
+    if qc.get("pack_dtype", "int32") not in ("int32", "torch.int32"):
+        raise refuse(f"gptq pack_dtype {qc.get('pack_dtype')!r} is not supported (supported: int32)")
+    linear = LinearFormat("gptq", bits=bits, group_size=_group_size(qc, refuse), zero_offset=GPTQ_FORMATS[fmt],
+                          act_order=bool(qc.get("desc_act")))
+    return QuantizationPlan("gptq", [(["Linear"], linear)], list(qc.get("modules_to_not_convert") or []))
+
+
+def _awq_plan(qc: dict, refuse) -> QuantizationPlan:
+    """AutoAWQ checkpoints (transformers' ``AwqConfig``) in the GEMM layout, the one AutoAWQ writes
+    by default (its other kernels repack it when they load)."""
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise refuse(f"awq bits {bits!r} are not supported (supported: 4)")
+    version = str(qc.get("version", "gemm")).lower()
+    if version not in AWQ_VERSIONS:
+        raise refuse(f"awq version {version!r} is not supported (supported: {', '.join(AWQ_VERSIONS)}; "
+                     "GEMV layouts pack differently)")
+    if not qc.get("zero_point", True):
+        raise refuse("awq zero_point false is not supported")
+    linear = LinearFormat("awq", bits=4, group_size=_group_size(qc, refuse))
+    return QuantizationPlan("awq", [(["Linear"], linear)], list(qc.get("modules_to_not_convert") or []))
 
 
 def _compressed_plan(qc: dict, refuse) -> QuantizationPlan:

@@ -5,7 +5,8 @@ Its parameters have the shapes its format implies for the layer (so the loader's
 refuses a checkpoint that disagrees, naming the tensor) and the dtypes the checkpoint stores them
 in; all of them are row-sharded (``row_sharded``: ``shard_engine.units`` reads it). Its forward
 runs on the gathered tensors: the weight dequantized by the function transformers' load uses
-(compressed-tensors' compressor ``decompress``; fp8 blocks times ``weight_scale_inv`` in float32),
+(compressed-tensors' compressor ``decompress``; fp8 blocks times ``weight_scale_inv`` in float32;
+GPTQ's and AWQ's codes unpacked as their specifications say, ``(code - zero) * scale`` in float32),
 the input fake-quantized where the scheme quantizes activations (compressed-tensors'
 ``forward_quantize``, as its quantized forward does), then ``F.linear`` in the input's dtype.
 Nothing dequantized is kept between forwards.
@@ -33,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from loaders.errors import CheckpointError
-from loaders.quantization.formats import LinearFormat, QuantizationPlan, enum_value, fp8_scale_shape
+from loaders.quantization.formats import (COMPRESSED_FORMATS, LinearFormat, QuantizationPlan, enum_value,
+                                          fp8_scale_shape)
 from shard_engine.ops import define_op
 
 logger = logging.getLogger(__name__)
@@ -95,6 +97,15 @@ def stored_shapes(fmt: LinearFormat, out_features: int, in_features: int) -> dic
     if fmt.kind == "fp8-block":
         return {"weight": (out_features, in_features),
                 "weight_scale_inv": fp8_scale_shape(out_features, in_features, fmt.block)}
+    if fmt.kind in ("gptq", "awq"):
+        groups = math.ceil(in_features / (fmt.group_size or in_features))
+        packed_out = math.ceil(out_features * fmt.bits / 32)
+        shapes = {"qweight": ((math.ceil(in_features * fmt.bits / 32), out_features) if fmt.kind == "gptq"
+                              else (in_features, packed_out)),
+                  "qzeros": (groups, packed_out), "scales": (groups, out_features)}
+        if fmt.kind == "gptq":
+            shapes["g_idx"] = (in_features,)
+        return shapes
     w = fmt.scheme.weights
     strategy = enum_value(w.strategy)
     groups = {"tensor": None, "channel": 1, "group": math.ceil(in_features / (w.group_size or in_features))}[strategy]
@@ -141,7 +152,7 @@ class QuantizedLinear(nn.Module):
         w = fmt.scheme.weights if fmt.scheme is not None else None
         self._int8_kernel = (_INT8_KERNEL and fmt.kind == "int-quantized" and fmt.scheme.input_activations is None
                              and w.num_bits == 8 and w.symmetric and enum_value(w.strategy) == "channel")
-        if fmt.kind != "fp8-block":
+        if fmt.kind in COMPRESSED_FORMATS:
             from compressed_tensors.compressors import BaseCompressor
 
             self._compressor = BaseCompressor.get_value_from_registry(fmt.kind)
@@ -155,6 +166,12 @@ class QuantizedLinear(nn.Module):
         fmt = self.format
         if fmt.kind == "fp8-block":
             return dequantize_fp8_block(self.weight, self.weight_scale_inv, fmt.block)
+        if fmt.kind == "gptq":
+            return dequantize_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, fmt.bits, fmt.zero_offset,
+                                   self.in_features, self.out_features)
+        if fmt.kind == "awq":
+            return dequantize_awq(self.qweight, self.qzeros, self.scales, fmt.group_size or self.in_features,
+                                  self.in_features, self.out_features)
         if not self._checked:
             self._check_shape()
         state = {name: getattr(self, name) for name in self._names}
@@ -189,6 +206,49 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     rows, cols = weight.shape
     scales = scale_inv.to(torch.float32).repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return weight.to(torch.float32) * scales
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """The ``bits``-wide unsigned codes of int32 words, the first code in the lowest bits (GPTQ's and
+    AWQ's packing), unpacked along ``dim`` (0 or 1) of a 2-D tensor: [R, C] -> [R * 32/bits, C] or
+    [R, C * 32/bits]."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    mask = (1 << bits) - 1
+    if dim == 0:
+        codes = (packed.unsqueeze(1) >> shifts.view(1, -1, 1)) & mask
+        return codes.reshape(-1, packed.shape[1])
+    codes = (packed.unsqueeze(2) >> shifts.view(1, 1, -1)) & mask
+    return codes.reshape(packed.shape[0], -1)
+
+
+def dequantize_gptq(qweight, qzeros, scales, g_idx, bits: int, zero_offset: int, in_features: int,
+                    out_features: int) -> torch.Tensor:
+    """A GPTQ linear's weight [out, in] in float32: for input row i of group ``g_idx[i]``,
+    ``(code - (zero + zero_offset)) * scale``, the codes and zero points unpacked as AutoGPTQ's and
+    GPTQModel's torch kernels unpack them (zeros one by one: a v1 zero point is its stored code plus
+    one), the integer difference exact, the product in float32 (their kernels multiply in the
+    scales' fp16)."""
+    codes = unpack_codes(qweight, bits, 0)[:in_features]
+    zeros = unpack_codes(qzeros, bits, 1)[:, :out_features] + zero_offset
+    groups = g_idx.long()
+    return ((codes - zeros[groups]).to(torch.float32) * scales.to(torch.float32)[groups]).t()
+
+
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+"""Where each of 8 consecutive output columns sits among the 8 codes of an AWQ word (AutoAWQ packs
+columns 0, 2, 4, 6, 1, 3, 5, 7 into codes 0-7)."""
+
+
+def dequantize_awq(qweight, qzeros, scales, group_size: int, in_features: int, out_features: int) -> torch.Tensor:
+    """An AWQ (GEMM layout) linear's weight [out, in] in float32: ``(code - zero) * scale`` of each
+    input row's group, codes and zero points unpacked along the output and put back in column order."""
+    order = torch.tensor(AWQ_REVERSE_ORDER, device=qweight.device)
+    columns = (torch.arange(out_features, device=qweight.device) // 8 * 8 + order.repeat(-(-out_features // 8))
+               [:out_features])
+    codes = unpack_codes(qweight, 4, 1)[:, columns]
+    zeros = unpack_codes(qzeros, 4, 1)[:, columns]
+    groups = torch.arange(in_features, device=qweight.device) // group_size
+    return ((codes - zeros[groups]).to(torch.float32) * scales.to(torch.float32)[groups]).t()
 
 
 def quantize_input(x: torch.Tensor, args) -> torch.Tensor:
@@ -229,7 +289,8 @@ def quantize_skeleton(model: nn.Module, plan: QuantizationPlan, stored: dict[str
 
 
 QUANTIZED_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_packed", "weight_zero_point", "weight_shape",
-                      "weight_g_idx", "input_scale", "activation_scale", "weight_global_scale")
+                      "weight_g_idx", "input_scale", "activation_scale", "weight_global_scale", "qweight", "qzeros",
+                      "g_idx")
 
 
 def check_nothing_else_quantized(model: nn.Module, stored: dict[str, tuple[tuple[int, ...], torch.dtype]],
@@ -250,7 +311,7 @@ def check_nothing_else_quantized(model: nn.Module, stored: dict[str, tuple[tuple
 
 def quantized_bytes(model: nn.Module) -> dict[str, int]:
     """This rank's bytes of quantized layers' tensors: ``weights`` (packed or fp8/int8 weights),
-    ``scales`` (scales and zero points); counted from the local shards."""
+    ``scales`` (scales, zero points, GPTQ's ``g_idx``); counted from the local shards."""
     from torch.distributed.tensor import DTensor
 
     out = {"weights": 0, "scales": 0, "layers": 0}
@@ -261,6 +322,6 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
         for name in module.row_sharded:
             p = getattr(module, name)
             local = p.to_local() if isinstance(p, DTensor) else p
-            key = "weights" if name in ("weight", "weight_packed") else "scales"
+            key = "weights" if name in ("weight", "weight_packed", "qweight") else "scales"
             out[key] += local.numel() * local.element_size()
     return out
