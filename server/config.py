@@ -289,8 +289,9 @@ class ServeConfig:
     kv_block_size: int = option(16, "tokens per KV cache block (the unit of allocation and of prefix sharing)",
                                 "memory", type=int, metavar="N")
     max_batch_prefill_tokens: int | None = option(
-        None, "prompt tokens a rank computes per step at most: longer prompts are split over steps while the other "
-        f"sequences go on decoding; auto: {PREFILL_TOKENS['cpu']} on CPU ranks, {PREFILL_TOKENS['cuda']} on GPUs",
+        None, "prompt tokens a rank computes per step at most, shared by the prompts in flight on it (never below an "
+        "eighth): longer prompts are split over steps while the other sequences go on decoding; "
+        f"auto: {PREFILL_TOKENS['cpu']} on CPU ranks, {PREFILL_TOKENS['cuda']} on GPUs",
         "memory", type=int_or_keyword("auto", None, 1), metavar="N|auto", none_means="auto")
     prefix_caching: bool = option(True, "reuse the KV blocks of prompts' common prefixes (--no-prefix-caching: "
                                   "off)", "memory", switch=True)
