@@ -41,6 +41,15 @@ def make_config(arch: str, vocab_size: int):
             vocab_size=vocab_size, n_embd=64, n_layer=3, n_head=4, n_positions=256,
             bos_token_id=0, eos_token_id=0, pad_token_id=0,
         )
+    if arch == "gpt_oss":  # fused experts (4, 2 a token), attention sinks, a window on alternate layers
+        from transformers import GptOssConfig
+
+        return GptOssConfig(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+            tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )
     if arch == "bert":
         return BertConfig(
             vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

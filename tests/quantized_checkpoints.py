@@ -516,6 +516,45 @@ def write_awq(path, *, base=None, group_size=16, seed=0, max_shard_size=DEFAULT_
     return path
 
 
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP MXFP4 of ``w`` [E, rows, cols] along ``cols``: (blocks uint8 [E, rows, cols/32, 16], two
+    e2m1 codes a byte, low nibble first; scales uint8 [E, rows, cols/32], ``2**(scale - 127)``
+    scaling each 32 values so that the largest lands in [4, 8), codes the nearest e2m1 value)."""
+    e, rows, cols = w.shape
+    block = w.reshape(e, rows, cols // 32, 32)
+    exponent = (torch.floor(torch.log2(block.abs().amax(-1).clamp(min=2.0 ** -100))) - 2).clamp(-127, 127)
+    scaled = block / torch.pow(2.0, exponent).unsqueeze(-1)
+    codes = (scaled.unsqueeze(-1) - E2M1).abs().argmin(-1).to(torch.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), (exponent + 127).to(torch.uint8)
+
+
+def write_mxfp4(path, *, base=None, seed=0, max_shard_size=DEFAULT_SHARD) -> str:
+    """gpt-oss's MXFP4 checkpoint (``quant_method: "mxfp4"``): each layer's fused experts
+    ``mlp.experts.{gate_up_proj,down_proj}`` [E, in, out] stored as ``<p>_blocks`` / ``<p>_scales``
+    of the transposed [E, out, in] weight (``quantize_mxfp4``); everything else float32. ``base``: a
+    float32 gpt_oss checkpoint (``write_checkpoint(..., "gpt_oss")``), made here when None."""
+    from tests.checkpoints import write_checkpoint
+
+    path = _prepare_out(path)
+    with tempfile.TemporaryDirectory(prefix="hsdp-mxfp4-") as tmp:
+        base_dir = str(base) if base is not None else write_checkpoint(os.path.join(tmp, "base"), "gpt_oss", seed=seed)
+        tensors = read_tensors(base_dir)
+        out: dict[str, torch.Tensor] = {}
+        for name in sorted(tensors, key=_natural_key):
+            t = tensors[name].to(torch.float32)
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                out[name + "_blocks"], out[name + "_scales"] = quantize_mxfp4(t.transpose(1, 2))
+            else:
+                out[name] = t
+        write_shards(path, out, max_shard_size, order=list(out))
+        _copy_side_files(base_dir, path, {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
+    return path
+
+
 def dequantize_gptq_by_hand(qweight, qzeros, scales, g_idx, bits: int, checkpoint_format: str) -> torch.Tensor:
     """GPTQ's dequantization, from its specification: [out, in] float32,
     ``scale[g] * (code - zero[g])`` with ``g = g_idx[i]``, a v1 zero point its stored code plus one."""

@@ -1,4 +1,4 @@
-"""Quantized checkpoints (FP8 blocks, compressed-tensors INT4/INT8/FP8, GPTQ, AWQ): sharded by rows, exact.
+"""Quantized checkpoints (FP8 blocks, compressed-tensors INT4/INT8/FP8, GPTQ, AWQ, MXFP4 experts): sharded, exact.
 
 Greedy output on 2 and 3 ranks and a 2x2 mesh equals transformers' own load of the same
 checkpoint (float32; where transformers cannot load it, FP8 with partial edge blocks and
@@ -114,6 +114,39 @@ def test_greedy_matches_transformers_and_rows_are_sharded(tmp_path, quantized, m
             assert got["bytes_read"] < 1.15 * got["checkpoint_bytes"] / mesh[1], (name, got)
 
 
+def _load_mxfp4(rank, world_size, path, mesh):
+    from torch.distributed.tensor import DTensor
+
+    from loaders import load_hsdp_model
+    from loaders.quantization import quantized_bytes
+    from shard_engine import HSDPInferenceConfig
+
+    loaded = load_hsdp_model(path, HSDPInferenceConfig(replicate_size=mesh[0], shard_size=mesh[1]), dtype="float32")
+    experts = loaded.model.model.layers[0].mlp.experts
+    blocks = experts.gate_up_proj_blocks
+    assert isinstance(blocks, DTensor) and blocks.dtype == torch.uint8 and "gate_up_proj" not in experts._parameters
+    return {"ids": [generate_ids(loaded.model, loaded.tokenizer, p, TOKENS) for p in PROMPTS],
+            "local_experts": blocks.to_local().shape[0], "held": quantized_bytes(loaded.model),
+            "bytes_read": loaded.stats.bytes_read, "checkpoint_bytes": loaded.stats.checkpoint_bytes,
+            "layers": loaded.stats.quantized_layers}
+
+
+@pytest.mark.parametrize("mesh", [(1, 2), (2, 2)], ids=["2-ranks", "2x2"])
+def test_mxfp4_experts_equal_transformers_and_are_sharded_by_experts(tmp_path, mesh):
+    """gpt-oss's MXFP4 experts: greedy output equals transformers' own load of the checkpoint (it
+    dequantizes on CPU) in float32; the blocks and scales stay uint8, each rank holds its experts'
+    (4 experts: 2 a rank) and reads about 1/S of the checkpoint."""
+    path = qc.write_mxfp4(tmp_path / "mxfp4")
+    reference = reference_generate(path, max_new_tokens=TOKENS)
+    results = values(run_ranks(_load_mxfp4, mesh[0] * mesh[1], tmp_path, path, mesh, timeout=300))
+    blocks = 2 * 4 * (2 * 64 * 2 * 16 + 64 * 2 * 16)  # 2 layers, 4 experts: gate_up [128, 2, 16], down [64, 2, 16]
+    for rank, got in enumerate(results):
+        assert got["ids"] == reference, (rank, got["ids"], reference)
+        assert got["local_experts"] == 2 and got["layers"] == {"mxfp4 experts (e2m1, a power-of-two scale per 32)": 2}
+        assert got["held"]["weights"] == blocks // 2 and got["held"]["scales"] == blocks // 32, got["held"]
+        assert got["bytes_read"] < 1.15 * got["checkpoint_bytes"] / mesh[1], got
+
+
 def test_server_serves_a_quantized_checkpoint_and_reports_its_bytes(quantized, tmp_path):
     path, reference = quantized["w8a8"]
     with ServerProcess(path, nproc=2, extra_args=("--dtype", "float32"), log_path=tmp_path / "log") as server:
@@ -142,7 +175,7 @@ def test_server_serves_a_quantized_checkpoint_and_reports_its_bytes(quantized, t
     ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*lm_head": {}}}, "dynamic"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "'gemv'"),
     ({"quant_method": "awq", "bits": 4, "zero_point": False}, "zero_point"),
-    ({"quant_method": "mxfp4"}, "'mxfp4' is not supported"),
+    ({"quant_method": "hqq"}, "'hqq' is not supported"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "'static'"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": None}, "weight_block_size"),
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
@@ -358,12 +391,14 @@ def _compiled_and_eager(rank, world_size, paths):
 
 def test_compiled_layers_over_quantized_layers_equal_eager(tmp_path):
     """``--compile decode`` over a quantized checkpoint (W8A8: the input fake-quantized in the graph;
-    GPTQ with activation order: its codes unpacked and gathered by ``g_idx`` in the graph) and over
+    GPTQ with activation order: its codes unpacked and gathered by ``g_idx`` in the graph; gpt-oss's
+    MXFP4 experts, dequantized by the experts module's properties in the graph) and over
     ``--quantization int8``: the layers' graphs hold the quantized layers' dequantization,
     and greedy tokens equal eager's in float32 (steps of 3, 2 and 1 sequences and the prompts' step)."""
     base = write_checkpoint(tmp_path / "base", "llama")
     paths = {"w8a8": (qc.write_compressed_w8a8(tmp_path / "w8a8", base=base), None), "int8": (base, "int8"),
-             "gptq": (qc.write_gptq(tmp_path / "gptq", base=base, act_order=True), None)}
+             "gptq": (qc.write_gptq(tmp_path / "gptq", base=base, act_order=True), None),
+             "mxfp4": (qc.write_mxfp4(tmp_path / "mxfp4"), None)}
     [got] = values(run_ranks(_compiled_and_eager, 1, tmp_path, paths, timeout=600))
     for name, result in got.items():
         assert result["compiled"] == result["eager"], (name, result)

@@ -13,9 +13,11 @@ one the server computes exactly:
   2-, 4- or 8-bit weights packed along the input into int32 ``qweight``, zero points packed along
   the output into ``qzeros``, ``scales`` and ``g_idx`` per input row (activation ordering too);
 * ``quant_method: awq`` (AutoAWQ's ``gemm`` layout): 4-bit weights packed along the output in
-  AWQ's interleaved order, zero points likewise, ``scales`` by group.
+  AWQ's interleaved order, zero points likewise, ``scales`` by group;
+* ``quant_method: mxfp4`` (gpt-oss): fused experts as MXFP4 blocks and scales
+  (:mod:`loaders.quantization.experts`), every linear in the model's dtype.
 
-Anything else (another method: MXFP4, bitsandbytes, ...; 3-bit GPTQ, AWQ's GEMV layouts, static
+Anything else (another method: bitsandbytes, HQQ, ...; 3-bit GPTQ, AWQ's GEMV layouts, static
 activation scales, a quantized KV cache, sparsity, compressed-tensors' activation ordering,
 transforms) raises :class:`loaders.errors.UnsupportedQuantizationError` naming it.
 """
@@ -29,7 +31,7 @@ import torch
 
 from loaders.errors import UnsupportedQuantizationError
 
-SUPPORTED_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
+SUPPORTED_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "mxfp4")
 COMPRESSED_FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
 GPTQ_BITS = (2, 4, 8)
 """Bit widths whose codes tile an int32 word (GPTQ's 3-bit codes straddle words: refused)."""
@@ -37,6 +39,7 @@ GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}
 """GPTQ checkpoint formats and the offset their stored zero points carry: AutoGPTQ's original
 (``gptq``, "v1") stores each zero point minus one, GPTQModel's ``gptq_v2`` stores it as is."""
 AWQ_VERSIONS = ("gemm",)
+MXFP4_EXPERTS = "mxfp4 experts (e2m1, a power-of-two scale per 32)"
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,9 @@ class QuantizationPlan:
 
     def format_for(self, name: str, module: torch.nn.Module) -> LinearFormat | None:
         """The format of linear ``name`` if the config quantizes it (the checkpoint confirms it)."""
-        if self.method in ("fp8", "gptq", "awq"):  # every linear the checkpoint stores quantized
+        if self.method in ("fp8", "gptq", "awq", "mxfp4"):  # every linear the checkpoint stores quantized
+            if not self.formats:  # mxfp4: its experts only (loaders.quantization.experts)
+                return None
             if any(name == m or name.endswith("." + m) or name.startswith(m + ".") for m in self.ignore):
                 return None
             return self.formats[0][1]
@@ -109,6 +114,8 @@ class QuantizationPlan:
         return chosen
 
     def describe(self) -> str:
+        if self.method == "mxfp4":
+            return MXFP4_EXPERTS
         return "; ".join(sorted({fmt.describe() for _, fmt in self.formats}))
 
 
@@ -137,6 +144,8 @@ def quantization_plan(config, path: str | None = None) -> QuantizationPlan | Non
         return _gptq_plan(qc, refuse)
     if method == "awq":
         return _awq_plan(qc, refuse)
+    if method == "mxfp4":
+        return QuantizationPlan("mxfp4", ignore=list(qc.get("modules_to_not_convert") or []))
     raise refuse(f"quant_method {qc.get('quant_method')!r} is not supported (supported: {', '.join(SUPPORTED_METHODS)})")
 
 

@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from loaders.errors import CheckpointError
-from loaders.quantization.formats import (COMPRESSED_FORMATS, LinearFormat, QuantizationPlan, enum_value,
-                                          fp8_scale_shape)
+from loaders.quantization.experts import quantize_fused_experts
+from loaders.quantization.formats import (COMPRESSED_FORMATS, MXFP4_EXPERTS, LinearFormat, QuantizationPlan,
+                                          enum_value, fp8_scale_shape)
 from shard_engine.ops import define_op
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features, self.format = in_features, out_features, fmt
         shapes = stored_shapes(fmt, out_features, in_features)
         self.row_sharded = tuple(n for n in shapes if n != "weight_shape")
+        self.quantized_tensor_names = fmt.stored_names  # (check_nothing_else_quantized, quantized_bytes)
         for name, shape in shapes.items():
             tensor = torch.empty(shape, dtype=dtypes[name], device="meta")
             if name == "weight_shape":  # two integers: read whole by every rank, checked at the first forward
@@ -270,6 +272,10 @@ def quantize_skeleton(model: nn.Module, plan: QuantizationPlan, stored: dict[str
     stays dense; a dense layer whose checkpoint weight has a quantized dtype is an error naming
     ``path`` (the checkpoint) and the tensor."""
     counts: dict[str, int] = {}
+    if plan.method == "mxfp4":
+        experts = quantize_fused_experts(model, stored, path=path)
+        if experts:
+            counts[MXFP4_EXPERTS] = experts
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
             continue
@@ -298,8 +304,7 @@ def check_nothing_else_quantized(model: nn.Module, stored: dict[str, tuple[tuple
     """Refuse, before reading, a checkpoint tensor stored quantized (by its dtype or its name) that no
     QuantizedLinear of ``model`` takes: quantized MoE experts, say, whose fused tensors are not linears.
     Read as a dense weight it would be cast without its scales."""
-    taken = {f"{fqn}.{n}" for fqn, m in model.named_modules() if isinstance(m, QuantizedLinear)
-             for n in m.format.stored_names}
+    taken = {f"{fqn}.{n}" for fqn, m in model.named_modules() for n in getattr(m, "quantized_tensor_names", ())}
     for name, (_, dtype) in stored.items():
         if name in taken:
             continue
@@ -310,18 +315,19 @@ def check_nothing_else_quantized(model: nn.Module, stored: dict[str, tuple[tuple
 
 
 def quantized_bytes(model: nn.Module) -> dict[str, int]:
-    """This rank's bytes of quantized layers' tensors: ``weights`` (packed or fp8/int8 weights),
-    ``scales`` (scales, zero points, GPTQ's ``g_idx``); counted from the local shards."""
+    """This rank's bytes of quantized layers' tensors: ``weights`` (packed or fp8/int8 weights, MXFP4
+    blocks), ``scales`` (scales, zero points, GPTQ's ``g_idx``); counted from the local shards;
+    ``layers``: quantized linears and experts modules."""
     from torch.distributed.tensor import DTensor
 
     out = {"weights": 0, "scales": 0, "layers": 0}
     for module in model.modules():
-        if not isinstance(module, QuantizedLinear):
+        if not getattr(module, "quantized_tensor_names", ()):
             continue
         out["layers"] += 1
         for name in module.row_sharded:
             p = getattr(module, name)
             local = p.to_local() if isinstance(p, DTensor) else p
-            key = "weights" if name in ("weight", "weight_packed", "qweight") else "scales"
+            key = "weights" if name in ("weight", "weight_packed", "qweight") or name.endswith("_blocks") else "scales"
             out[key] += local.numel() * local.element_size()
     return out
