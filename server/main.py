@@ -308,6 +308,7 @@ def _build_router(cfg: ServeConfig, loaded, groups, per_rank, state, device):
 
     from server.engine import BlockPool, Scheduler, StepGroupRouter
     from server.engine.cores import HostCores, cores_follow_work
+    from server.engine.rope import rope_switch
 
     limits = state.limits = _resolve_limits(cfg, loaded.config)
     share = -(-limits.max_concurrent_requests // len(groups))  # each group's running bound
@@ -323,6 +324,7 @@ def _build_router(cfg: ServeConfig, loaded, groups, per_rank, state, device):
             max_queued=limits.max_queued_requests, max_total_tokens=limits.max_total_tokens,
             max_prefill_tokens=cfg.prefill_tokens_for(device.type),
             eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer), metrics=state.metrics, cores=cores,
+            rope=rope_switch(loaded.model),
         )
         for ranks in groups
     ]

@@ -58,7 +58,7 @@ class Harness:
         pools = [BlockPool(blocks, block_size, prefix_caching=prefix_caching) for _ in range(ranks)]
         self.scheduler = Scheduler(pools=pools, replicas=replicas or [list(range(ranks))], max_running=max_running,
                                    max_total_tokens=256, eos_token_ids={EOS}, max_prefill_tokens=prefill,
-                                   max_queued=1000, idle_wait_s=0.01)
+                                   max_queued=1000, idle_wait_s=0.01, rope=self.engines[0]._rope)
         self.steps = 0
         self.max_work_tokens = [0] * ranks
 

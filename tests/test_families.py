@@ -20,6 +20,7 @@ import torch
 from tests.server_process import REPO, ServerProcess
 
 WINDOW = 8  # shorter than every prompt below
+ROPE_SWITCH = 16  # where dynamic NTK and longrope change frequencies: inside every prompt and decode below
 
 
 def _config(family: str, vocab: int = 300):
@@ -53,6 +54,14 @@ def _config(family: str, vocab: int = 300):
         "qwen3_moe": lambda: T.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                               moe_intermediate_size=32),
         "mixtral": lambda: T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
+        # length-dependent rope, switching well inside every prompt and decode here (ROPE_SWITCH tokens)
+        "llama_dynamic_rope": lambda: T.LlamaConfig(**{**common, "max_position_embeddings": ROPE_SWITCH},
+                                                    rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                     "rope_theta": 10000.0}),
+        "phi3_longrope": lambda: T.Phi3Config(**{**common, "max_position_embeddings": 4 * ROPE_SWITCH},
+                                              original_max_position_embeddings=ROPE_SWITCH, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": ROPE_SWITCH,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
     }
     refused = {
         "jamba": lambda: T.JambaConfig(**common),
@@ -64,15 +73,12 @@ def _config(family: str, vocab: int = 300):
         "deepseek_v3": lambda: T.DeepseekV3Config(**common, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
                                                   qk_nope_head_dim=8, v_head_dim=12),
         "t5": lambda: T.T5Config(vocab_size=vocab, d_model=64),
-        "llama_dynamic_rope": lambda: T.LlamaConfig(**common, rope_parameters={"rope_type": "dynamic",
-                                                                               "factor": 2.0,
-                                                                               "rope_theta": 10000.0}),
     }
     return (served.get(family) or refused[family])()
 
 
 SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "olmo2", "granite",
-          "cohere", "gpt_neox", "gpt2", "gpt_oss", "qwen3_moe", "mixtral"]
+          "cohere", "gpt_neox", "gpt2", "gpt_oss", "qwen3_moe", "mixtral", "llama_dynamic_rope", "phi3_longrope"]
 REFUSED = {
     "jamba": "recurrent or convolution state",
     "mamba": "recurrent or convolution state",
@@ -82,7 +88,6 @@ REFUSED = {
     "mpt": "attention interface",
     "deepseek_v3": "multi-head latent attention",
     "t5": "encoder-decoder",
-    "llama_dynamic_rope": "rope_type 'dynamic'",
 }
 
 
@@ -102,11 +107,16 @@ def test_refused_family_is_refused_with_its_reason(family):
 
 
 def _reference_tokens(model, prompts, new_tokens):
+    """Each prompt generated alone by a fresh copy of ``model``: transformers' dynamic-NTK rope keeps
+    the frequencies of the longest sequence it has seen until a short one resets them, so a shared
+    model's output for a prompt would depend on the prompts before it (server.engine.rope)."""
+    import copy
+
     out = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+            generated = copy.deepcopy(model).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         out.append(generated[0, len(prompt):].tolist())
     return out
@@ -133,6 +143,80 @@ def test_engine_matches_generate(family):
     harness.run(lambda: all(o["finish"] is not None or o["error"] for o in outs))
     assert [o["error"] for o in outs] == [None, None]
     assert [o["tokens"] for o in outs] == expected
+
+
+def _sharp(model):
+    """``model`` with its query and key projections scaled up: a random model's attention is nearly
+    uniform, so its tokens hardly depend on the rope; sharpened, they do."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(f"{proj}." in name for proj in ("q_proj", "k_proj", "qkv_proj")):
+                p.mul_(12.0)
+    return model
+
+
+@pytest.mark.parametrize("family, small_pool", [("llama_dynamic_rope", 26), ("phi3_longrope", 28)])
+def test_length_dependent_rope_is_each_sequences_own(family, small_pool):
+    """Dynamic NTK and longrope take each sequence's frequencies from its own length, as generate does
+    for the sequence alone: prompts below and past the switch, one crossing it while it decodes
+    (Phi-3's generate then recomputes it whole with the long factors, and so does the engine),
+    chunked (8 tokens a step) and packed together, one preempted and recomputed (``small_pool``
+    blocks). Without the per-sequence rope (frequencies from the row's longest position), or
+    without Phi-3's recompute, the tokens differ."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    import server.engine.rank as rank_module
+    from tests.test_engine import Harness
+
+    torch.manual_seed(0)
+    config = _config(family)
+    model = _sharp(AutoModelForCausalLM.from_config(config)).eval()
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    reference.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (9, 30, 13, 40)]
+    expected = _reference_tokens(reference, prompts, 12)
+
+    def served(per_sequence: bool, blocks: int, recompute: bool = True):
+        install = rank_module.install_rope
+        rank_module.install_rope = install if per_sequence else (lambda m: None)
+        try:
+            harness = Harness(model, blocks=blocks, block_size=4, prefill=8)
+        finally:
+            rank_module.install_rope = install
+        if not recompute:
+            harness.scheduler.rope = harness.engines[0]._rope = dataclasses.replace(harness.scheduler.rope,
+                                                                                  recompute=False)
+        harness.scheduler.eos_token_ids = set()
+        outs = [harness.submit(p, 12) for p in prompts]
+        harness.run(lambda: all(o["finish"] is not None or o["error"] for o in outs))
+        assert [o["error"] for o in outs] == [None] * len(prompts)
+        return [o["tokens"] for o in outs], harness.scheduler.preemptions
+
+    assert served(True, 64)[0] == expected
+    tokens, preemptions = served(True, small_pool)
+    assert preemptions > 0 and tokens == expected
+    assert served(False, 64)[0] != expected  # the test can tell
+    if family == "phi3_longrope":
+        assert served(True, 64, recompute=False)[0] != expected
+    # prefix caching: a prompt past the switch never takes blocks computed below it (other
+    # frequencies), and takes those computed as it would compute them: the same prompt's; and with
+    # Phi-3's recompute, the 12 tokens the short prompt computed again with the long factors
+    short, long = prompts[2], prompts[2] + prompts[1]  # 13 tokens, then 43 starting with them
+    [short_expected, long_expected] = _reference_tokens(reference, [short, long], 12)
+    harness = Harness(model, blocks=64, block_size=4, prefill=8)
+    harness.scheduler.eos_token_ids = set()
+    pool = harness.scheduler.pools[0]
+    recomputed = 12 if family == "phi3_longrope" else 0
+    for prompt, want, hits in ((short, short_expected, 0), (long, long_expected, recomputed),
+                               (long, long_expected, 40)):
+        before = pool.hits
+        out = harness.submit(prompt, 12)
+        harness.run(lambda: out["finish"] is not None or out["error"])
+        assert out["tokens"] == want, (family, len(prompt), pool.hits - before)
+        assert pool.hits - before == hits, (family, len(prompt), pool.hits - before)
 
 
 def _write(family: str, path) -> str:
@@ -163,13 +247,15 @@ def _expected(path) -> list[list[int]]:
 
     from tests.checkpoints import tokenizer
 
+    import copy
+
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     expected = []
     for prompt in PROMPTS:
         ids = tokenizer()(prompt, return_tensors="pt").input_ids
         assert ids.shape[1] > WINDOW
-        with torch.no_grad():
-            out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+        with torch.no_grad():  # a fresh copy for each prompt: see _reference_tokens
+            out = copy.deepcopy(reference).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
                                      do_sample=False, eos_token_id=0, pad_token_id=0)
         expected.append(out[0, ids.shape[1]:].tolist())
     return expected

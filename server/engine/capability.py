@@ -7,8 +7,9 @@ packs the tokens of many sequences into one row. A model is served only if both 
   where the engine's function is plugged in; models with their own attention code (Bloom,
   Falcon, MPT: ALiBi built inside the module) would bypass the cache;
 * nothing in a sequence's computation depends on the others packed beside it: no recurrent or
-  convolution state carried across the row (state-space and hybrid models), no rope factor taken
-  from the longest position in the row (dynamic NTK, longrope);
+  convolution state carried across the row (state-space and hybrid models); rope factors that
+  transformers takes from the longest position in the batch (dynamic NTK, longrope) are chosen
+  per sequence (``server.engine.rope``), except where a model has one rope per layer type;
 
 and the engine's cache holds what its attention keeps (not the latents of multi-head latent
 attention, which transformers expands over the whole cache at every layer).
@@ -62,11 +63,13 @@ def check_servable(config, model_class=None) -> None:
             architecture, "multi-head latent attention caches latents that transformers expands over the whole cache "
             "in every layer; the engine does not expand them per sequence yet")
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-    if rope_type in LENGTH_DEPENDENT_ROPE:
-        raise UnsupportedModelError(
-            architecture, f"rope_type {rope_type!r} takes its factors from the longest position in the batch, so a "
-            "sequence's output would depend on the sequences packed beside it")
+    per_layer_type = isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values()) and rope
+    for params in (rope.values() if per_layer_type else [rope]):
+        rope_type = params.get("rope_type", params.get("type")) if isinstance(params, dict) else None
+        if per_layer_type and rope_type in LENGTH_DEPENDENT_ROPE:
+            raise UnsupportedModelError(
+                architecture, f"rope_type {rope_type!r} for one layer type of several takes its factors from the "
+                "longest position in the batch; the engine chooses them per sequence only for a model's one rope")
     if model_class is None:
         model_class = _causal_lm_class(config, architecture)
     if not getattr(model_class, "_supports_attention_backend", False):

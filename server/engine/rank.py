@@ -23,6 +23,7 @@ from torch import nn
 
 from server.engine.attention import PagedKVCache, PagedLayout, use_paged_attention
 from server.engine.plan import PromptLogprobs, SequenceAdd, StepPlan, StepResult, TokenResult, Work
+from server.engine.rope import install as install_rope, sequence_lengths, token_lengths
 from server.engine.sampling import BatchSampler, Row, RowMasks
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ class RankEngine:
         self.delay_s = _injected_delay(rank)
         self.compiled = None  # a server.engine.compiled.CompiledDecode: decode-only forwards go through it
         self._direct = _direct_forward(model)  # eager forwards without FSDP2's hooks, where every unit is resident
+        self._rope = install_rope(model)  # rope frequencies per sequence (dynamic NTK, longrope), or None
         self.memory = None  # a server.group.memory.MemoryReport, reported every few seconds
         self._reported_at = 0.0
         self._trimmed_at, self._forwards_at_trim = 0.0, 0
@@ -177,7 +179,7 @@ class RankEngine:
 
     @torch.no_grad()
     def _forward(self, work: list[Work], threads: int = 0) -> list[TokenResult]:
-        ids, positions, items, sample_rows, sampling = [], [], [], [], []
+        ids, positions, items, sample_rows, sampling, rope_items = [], [], [], [], [], []
         scored = []  # (seq, first row, first position, count): prompt positions whose next token is scored
         for w in work:
             seq = self.sequences[w.seq_id]
@@ -191,6 +193,8 @@ class RankEngine:
             ids += seq.tokens[w.start:w.start + w.count]
             positions += range(w.start, w.start + w.count)
             items.append((w.start, w.count, seq.blocks))
+            if self._rope is not None:
+                rope_items.append((w.start, w.count, self._rope.prompt_length(len(seq.tokens), seq.num_generated)))
             if w.start + w.count == len(seq.tokens):  # its last token: a next one is due
                 sample_rows.append(len(ids) - 1)
                 sampling.append(seq)
@@ -209,10 +213,15 @@ class RankEngine:
             torch.set_num_threads(threads)  # the idle ranks' cores (server.engine.cores)
         layout = PagedLayout.build(items, self.block_size, self.device)
         self.cache.layout = layout
+        lengths = None
+        if self._rope is not None:  # each token's own sequence's length picks its rope frequencies (server.engine.rope)
+            lengths = token_lengths(rope_items)
+            if len(positions) > lengths.numel():  # a static size's padding rows (position 0)
+                lengths = torch.cat([lengths, torch.ones(len(positions) - lengths.numel(), dtype=torch.long)])
         # FSDP2's hooks have nothing to do for resident units, and cost each unit two calls a step
         direct = self._direct if forward is self.model and self._direct is not None and self._direct.resident() else None
         hooks_out = direct() if direct is not None else contextlib.nullcontext()
-        with hooks_out:
+        with hooks_out, sequence_lengths(lengths):
             out = forward(
                 input_ids=torch.tensor([ids], device=self.device),
                 position_ids=torch.tensor([positions], device=self.device),

@@ -82,6 +82,7 @@ class RequestHandle:
     num_computed: int = 0  # tokens whose keys and values are in the cache
     num_registered: int = 0  # full blocks entered in the prefix cache
     last_key: bytes = b""  # the prefix key of the last of those
+    admitted_tokens: int = 0  # its tokens when last admitted (a length-dependent rope's frequencies: server.engine.rope)
     cache_root: bytes = b""  # where its prefix keys' chain starts: its cache_salt's (server.api.generation.cache_root)
     prompt_scores: list | None = None  # (logprob, top) of prompt tokens 1.., where asked for
     scheduler: object = None  # the Scheduler it was submitted to (a replica's, behind a StepGroupRouter)
@@ -129,6 +130,7 @@ class Scheduler:
         metrics=None,
         rank_ids: list[int] | None = None,
         cores=None,
+        rope=None,
     ):
         self.pools = pools
         self.world_size = len(pools)
@@ -146,6 +148,7 @@ class Scheduler:
         self.idle_wait_s = idle_wait_s
         self.metrics = metrics
         self.cores = cores  # a server.engine.cores.HostCores shared by the step groups, or None
+        self.rope = rope  # the model's server.engine.rope.RopeSwitch (length-dependent rope), or None
         self._open = 0  # requests submitted and not yet finished or cancelled
         self._open_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
@@ -298,6 +301,11 @@ class Scheduler:
             if remaining > 1:
                 continuing.append(handle)
                 continue
+            if self.rope is not None and self.rope.recomputes_at(handle.admitted_tokens, handle.num_computed,
+                                                                 len(handle.tokens)):
+                # past the rope's switch: computed again whole, as its family's generate does (server.engine.rope)
+                self._preempt(handle, plan, counted=False)
+                continue
             new_blocks = self._grow(handle, plan)
             if new_blocks is None:  # preempted itself
                 continue
@@ -327,8 +335,9 @@ class Scheduler:
     def _youngest_on(self, rank: int) -> RequestHandle:
         return next(h for h in reversed(self._running.values()) if h.rank == rank)
 
-    def _preempt(self, handle: RequestHandle, plan: StepPlan) -> None:
-        """Free ``handle``'s blocks and queue it first again; its tokens so far become its prompt."""
+    def _preempt(self, handle: RequestHandle, plan: StepPlan, counted: bool = True) -> None:
+        """Free ``handle``'s blocks and queue it first again; its tokens so far become its prompt.
+        ``counted``: a preemption for blocks (not a recompute the model asks for)."""
         self._release(handle, plan)
         for work in plan.work.get(handle.rank, []):
             if work.seq_id == handle.seq_id:  # planned earlier this step: undo
@@ -336,10 +345,19 @@ class Scheduler:
                 break
         handle.num_computed = handle.num_registered = 0
         handle.last_key = handle.cache_root
-        self.preemptions += 1
-        if self.metrics is not None:
-            self.metrics.preemptions.inc()
+        if counted:
+            self.preemptions += 1
+            if self.metrics is not None:
+                self.metrics.preemptions.inc()
         self._waiting.appendleft(handle)
+
+    def prefix_root(self, handle: RequestHandle) -> bytes:
+        """Where ``handle``'s prefix keys' chain starts: its cache salt's root, salted again where a
+        length-dependent rope computes its keys with other frequencies (``RopeSwitch.prefix_root``)."""
+        if self.rope is None:
+            return handle.cache_root
+        return self.rope.prefix_root(handle.cache_root,
+                                     self.rope.prompt_length(len(handle.tokens), handle.num_generated))
 
     def _prefill_budgets(self, continuing: list[RequestHandle]) -> list[int]:
         """Each rank's prompt tokens this step: ``max_prefill_tokens`` shared by the prompts in
@@ -374,7 +392,8 @@ class Scheduler:
             usable = (len(tokens) - 1) // self.block_size  # the last token is always computed
             if handle.params.prompt_logprobs is not None:
                 usable = 0  # every prompt position is computed, to be scored
-            keys = chain_hashes(tokens[: usable * self.block_size], self.block_size, handle.cache_root)
+            root = self.prefix_root(handle)
+            keys = chain_hashes(tokens[: usable * self.block_size], self.block_size, root)
             placed = self._place(len(tokens), keys, budget)
             if placed is None:
                 if not self.fits_ever(len(tokens)):  # admission checks make this rare: a long preempted sequence
@@ -395,7 +414,8 @@ class Scheduler:
                 self.metrics.prefix_hit_tokens.inc(len(cached) * self.block_size)
             handle.num_computed = len(cached) * self.block_size
             handle.num_registered = len(cached)
-            handle.last_key = keys[len(cached) - 1] if cached else handle.cache_root
+            handle.admitted_tokens = len(tokens)
+            handle.last_key = keys[len(cached) - 1] if cached else root
             handle.seq_id, handle.rank = next(self._ids), rank
             if handle.started_at is None:  # its first admission (not a return after a preemption)
                 handle.started_at = time.monotonic()

@@ -60,7 +60,8 @@ class StepGroupRouter:
             return self.schedulers[0]
         tokens = handle.tokens
         usable = (len(tokens) - 1) // self.block_size
-        keys = chain_hashes(tokens[: usable * self.block_size], self.block_size, handle.cache_root) if usable else []
+        root = self.schedulers[0].prefix_root(handle)
+        keys = chain_hashes(tokens[: usable * self.block_size], self.block_size, root) if usable else []
 
         def free(s: Scheduler) -> int:
             return sum(pool.num_available for pool in s.pools)
