@@ -73,6 +73,9 @@ def _config(family: str, vocab: int = 300):
         "deepseek_v3": lambda: T.DeepseekV3Config(**common, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
                                                   qk_nope_head_dim=8, v_head_dim=12),
         "t5": lambda: T.T5Config(vocab_size=vocab, d_model=64),
+        "gemma3_dynamic_rope_per_layer_type": lambda: T.Gemma3TextConfig(**common, head_dim=16, rope_parameters={
+            "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     }
     return (served.get(family) or refused[family])()
 
@@ -88,6 +91,7 @@ REFUSED = {
     "mpt": "attention interface",
     "deepseek_v3": "multi-head latent attention",
     "t5": "encoder-decoder",
+    "gemma3_dynamic_rope_per_layer_type": "rope_type 'dynamic' for one layer type of several",
 }
 
 
