@@ -1,6 +1,7 @@
 """The benchmarks' checkpoints, random weights with the demo's locally trained tokenizer, generated
-once and cached (nothing is downloaded): the serving bench Llama of about 80M parameters, and a
-deep tiny Llama whose step is nearly all host time."""
+once and cached (nothing is downloaded): the serving bench Llama of about 80M parameters, a deep
+tiny Llama whose step is nearly all host time, and a pair of equal size but for their attention
+(multi-head latent attention shaped as DeepSeek-V3's, and grouped-query) for the MLA step."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import torch
 
 BENCH_NAME = "bench-llama-80m-v2"
 DEEP_TINY_NAME = "bench-llama-24x64-v1"
+PAIR_SHAPE = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8)
+"""The MLA/GQA pair's common shape: DeepSeek-V3's proportions at hidden 512 (its latent 1/4 of the
+hidden size as V3's 512 of 7168 is not: kept at V3's 128-dim heads' quarter)."""
 
 
 def bench_checkpoint(out_dir: str | None = None) -> str:
@@ -30,21 +34,46 @@ def deep_tiny_checkpoint(out_dir: str | None = None) -> str:
                              num_attention_heads=2, num_key_value_heads=2, max_shard_size="2MB", dtype=torch.float32)
 
 
+def mla_checkpoint(out_dir: str | None = None) -> str:
+    """A DeepSeek-V3-shaped model of :data:`PAIR_SHAPE`: latent 128 + rope key 32 cached a token a
+    layer (160 values), a low-rank query (384), heads of 64 + 32 and values of 64; dense layers only
+    (no experts: the step's attention is what differs from :func:`gqa_checkpoint`)."""
+    from transformers import DeepseekV3Config
+
+    return _checkpoint(out_dir or "bench-mla-8x512-v1", DeepseekV3Config, max_shard_size="40MB", dtype=torch.float32,
+                       num_key_value_heads=PAIR_SHAPE["num_attention_heads"], kv_lora_rank=128, q_lora_rank=384,
+                       qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                       first_k_dense_replace=PAIR_SHAPE["num_hidden_layers"], **PAIR_SHAPE)
+
+
+def gqa_checkpoint(out_dir: str | None = None) -> str:
+    """The Llama of :data:`PAIR_SHAPE` with grouped-query attention: 2 KV heads of 64, 256 values a
+    token a layer cached."""
+    return _llama_checkpoint(out_dir or "bench-gqa-8x512-v1", max_shard_size="40MB", dtype=torch.float32,
+                             num_key_value_heads=2, head_dim=64, **PAIR_SHAPE)
+
+
 def _llama_checkpoint(out_dir: str, *, max_shard_size: str, dtype=torch.bfloat16, **shape) -> str:
+    from transformers import LlamaConfig
+
+    return _checkpoint(out_dir, LlamaConfig, max_shard_size=max_shard_size, dtype=dtype, **shape)
+
+
+def _checkpoint(out_dir: str, config_class, *, max_shard_size: str, dtype=torch.bfloat16, **shape) -> str:
     from loaders.sources.default_model import cache_root
 
     out_dir = os.path.join(cache_root(), out_dir)  # an absolute out_dir stays what it is
     marker = os.path.join(out_dir, ".complete")
     if os.path.isfile(marker):
         return out_dir
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     from loaders.sources.demo import train_byte_bpe_tokenizer
 
     print(f"[bench] generating {out_dir}", file=sys.stderr, flush=True)
     shutil.rmtree(out_dir, ignore_errors=True)
     tok = train_byte_bpe_tokenizer(all_bytes=False)  # every token is whole text: streams show each one
-    config = LlamaConfig(vocab_size=len(tok), max_position_embeddings=2048, tie_word_embeddings=False,
+    config = config_class(vocab_size=len(tok), max_position_embeddings=2048, tie_word_embeddings=False,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, **shape)
     torch.manual_seed(0)

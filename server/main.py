@@ -362,6 +362,9 @@ def _open_for_requests(cfg: ServeConfig, state, scheduler, loaded, engine, per_r
 
 def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg, group_quantized=None) -> None:
     """Rank 0: what /info and /metrics report of the loaded group."""
+    from server.engine.rank import KVGeometry
+
+    state.kv_layout = KVGeometry.of(loaded.model).describe()
     state.metrics.load_seconds.set(loaded.stats.phase_seconds["total"])
     for r, (read, _, _) in enumerate(per_rank):
         state.metrics.loaded_bytes.labels(rank=str(r)).set(read)

@@ -54,6 +54,16 @@ def _config(family: str, vocab: int = 300):
         "qwen3_moe": lambda: T.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                               moe_intermediate_size=32),
         "mixtral": lambda: T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
+        # multi-head latent attention (its latents cached, attended in the absorbed form), a value dim of its own,
+        # experts after a dense first layer, and a low-rank query (V3) or a plain one (V2)
+        "deepseek_v3": lambda: T.DeepseekV3Config(**{**common, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                                                  qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=4,
+                                                  num_experts_per_tok=2, first_k_dense_replace=1,
+                                                  moe_intermediate_size=32, n_group=1, topk_group=1),
+        "deepseek_v2": lambda: T.DeepseekV2Config(**{**common, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                                                  qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=4,
+                                                  num_experts_per_tok=2, first_k_dense_replace=1,
+                                                  moe_intermediate_size=32, n_group=1, topk_group=1),
         # length-dependent rope, switching well inside every prompt and decode here (ROPE_SWITCH tokens)
         "llama_dynamic_rope": lambda: T.LlamaConfig(**{**common, "max_position_embeddings": ROPE_SWITCH},
                                                     rope_parameters={"rope_type": "dynamic", "factor": 2.0,
@@ -70,8 +80,6 @@ def _config(family: str, vocab: int = 300):
         "bloom": lambda: T.BloomConfig(vocab_size=vocab, hidden_size=64, n_layer=2, n_head=4),
         "falcon": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
         "mpt": lambda: T.MptConfig(vocab_size=vocab, d_model=64, n_layers=2, n_heads=4),
-        "deepseek_v3": lambda: T.DeepseekV3Config(**common, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-                                                  qk_nope_head_dim=8, v_head_dim=12),
         "t5": lambda: T.T5Config(vocab_size=vocab, d_model=64),
         "gemma3_dynamic_rope_per_layer_type": lambda: T.Gemma3TextConfig(**common, head_dim=16, rope_parameters={
             "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
@@ -81,7 +89,8 @@ def _config(family: str, vocab: int = 300):
 
 
 SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "olmo2", "granite",
-          "cohere", "gpt_neox", "gpt2", "gpt_oss", "qwen3_moe", "mixtral", "llama_dynamic_rope", "phi3_longrope"]
+          "cohere", "gpt_neox", "gpt2", "gpt_oss", "qwen3_moe", "mixtral", "llama_dynamic_rope", "phi3_longrope",
+          "deepseek_v3", "deepseek_v2"]
 REFUSED = {
     "jamba": "recurrent or convolution state",
     "mamba": "recurrent or convolution state",
@@ -89,7 +98,6 @@ REFUSED = {
     "bloom": "attention interface",
     "falcon": "attention interface",
     "mpt": "attention interface",
-    "deepseek_v3": "multi-head latent attention",
     "t5": "encoder-decoder",
     "gemma3_dynamic_rope_per_layer_type": "rope_type 'dynamic' for one layer type of several",
 }
@@ -111,17 +119,21 @@ def test_refused_family_is_refused_with_its_reason(family):
 
 
 def _reference_tokens(model, prompts, new_tokens):
-    """Each prompt generated alone by a fresh copy of ``model``: transformers' dynamic-NTK rope keeps
-    the frequencies of the longest sequence it has seen until a short one resets them, so a shared
-    model's output for a prompt would depend on the prompts before it (server.engine.rope)."""
+    """``new_tokens`` greedy tokens of each prompt, EOS a token like any other (the engine's side has
+    no EOS here: min_new_tokens would forbid it instead, and a model whose likeliest token is EOS
+    would differ), each prompt generated alone by a fresh copy of ``model``: transformers'
+    dynamic-NTK rope keeps the frequencies of the longest sequence it has seen until a short one
+    resets them, so a shared model's output for a prompt would depend on the prompts before it
+    (server.engine.rope)."""
     import copy
 
     out = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            generated = copy.deepcopy(model).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            generated = copy.deepcopy(model).generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=None,
+                                                      max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        assert generated.shape[1] == len(prompt) + new_tokens
         out.append(generated[0, len(prompt):].tolist())
     return out
 
@@ -239,9 +251,9 @@ def _write(family: str, path) -> str:
 PROMPTS = ["Once upon a time there was a server that never hung, and it served every request",
            "The quick brown fox jumps over the lazy dog while the ranks gather their shards"]
 NEW_TOKENS = 10
-THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe"]
+THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3"]
 """The families also served through HTTP: plain attention; soft-capping with alternating windows;
-experts. The server adds nothing per family (the same load, residency and engine as the 2-rank
+experts; multi-head latent attention (its latents cached: /info says what a token costs). The server adds nothing per family (the same load, residency and engine as the 2-rank
 test below), so the others are checked below the HTTP layer, in one process group."""
 
 
@@ -329,8 +341,15 @@ def test_server_on_two_ranks_matches_generate(family, tmp_path):
 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             got = list(pool.map(generate, PROMPTS))
-        reads = [r["load_bytes_read"] for r in server.client.get("/info").json()["ranks"]]
+        info = server.client.get("/info").json()
+        reads = [r["load_bytes_read"] for r in info["ranks"]]
     assert got == expected
+    config = _config(family)
+    if family == "deepseek_v3":  # the latent and the rope key, float32: (16 + 8) x 4 bytes a token a layer
+        assert info["kv_cache"]["layout"] == "latent" and info["kv_cache"]["bytes_per_token_per_layer"] == 96
+    else:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        assert info["kv_cache"]["bytes_per_token_per_layer"] == 2 * config.num_key_value_heads * head_dim * 4
     checkpoint = _checkpoint_bytes(path)
     assert all(0 < read < 0.6 * checkpoint for read in reads), (reads, checkpoint)  # each rank its share
 

@@ -192,32 +192,50 @@ class PagedKVCache:
     layers call."""
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, value_head_dim: int | None = None):
+                 dtype: torch.dtype, device: torch.device, value_head_dim: int | None = None,
+                 values_in_keys: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks
         slots = (num_blocks + 1) * block_size
         value_dim = value_head_dim or head_dim
         self.keys = [torch.zeros((kv_heads, slots, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros((kv_heads, slots, value_dim), dtype=dtype, device=device)
-                       for _ in range(num_layers)]
+        # multi-head latent attention (server.engine.mla): the values are the keys' first value_dim, no copy
+        self.values_in_keys = values_in_keys
+        self.values = ([k[..., :value_dim] for k in self.keys] if values_in_keys else
+                       [torch.zeros((kv_heads, slots, value_dim), dtype=dtype, device=device)
+                        for _ in range(num_layers)])
         self.layout: PagedLayout | None = None
         self.pools_in_kwargs = False  # set by a forward whose layers pass their pools as LAYER_POOLS
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(t.numel() * t.element_size() for t in self.keys + ([] if self.values_in_keys else self.values))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         # [1, kv heads, T, d] -> this step's slots of the layer's pool; attention reads the pool.
         # Where the pools come with the attention's keywords (compiled layers: LAYER_POOLS), the
-        # attention function writes them, and the states pass through untouched
+        # attention function writes them, and the states pass through untouched. An MLA layer
+        # passes its latents and rope keys: the pool's keys are the two side by side
         if self.pools_in_kwargs:
             return key_states, value_states
+        if self.values_in_keys:
+            return _write_latent_step(layer_idx, self.layout, torch.cat((key_states, value_states), dim=-1),
+                                      self.keys[layer_idx], self.values[layer_idx].shape[-1])
         return _write_step(layer_idx, self.layout, key_states, value_states, self.keys[layer_idx],
                            self.values[layer_idx])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions always come with the input
+
+
+def _write_latent_step(layer, layout: PagedLayout, key_states, keys, value_dim: int):
+    """An MLA layer's step ([1, 1, T, d]: latents and rope keys side by side) into its one pool;
+    returns the pool and its values (its first ``value_dim``: the latents), a view."""
+    if key_states.shape[1] != keys.shape[0] or key_states.shape[-1] != keys.shape[-1]:
+        raise UnsupportedAttention(f"layer {layer} has latent keys of shape {tuple(key_states.shape)}, the pool "
+                                   f"[{keys.shape[0]} heads, dim {keys.shape[-1]}]")
+    keys.index_copy_(1, layout.slots_T, key_states[0])
+    return keys, keys[..., :value_dim]
 
 
 def _write_step(layer, layout: PagedLayout, key_states, value_states, keys, values):
@@ -239,14 +257,34 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
                     softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     """An attention function for transformers' AttentionInterface: query [1, H, T, d]; key and
     value the layer's whole pool [Hkv, slots, d] (from :meth:`PagedKVCache.update`); returns
-    ([1, T, H, dv], None) like transformers' SDPA."""
+    ([1, T, H, dv], None) like transformers' SDPA. A multi-head latent attention module's query is
+    absorbed into its latents' space first and its output projected back after
+    (:mod:`server.engine.mla`)."""
+    mla = getattr(module, "hsdp_mla", None)
+    if mla is None:
+        return _paged_attention(module, query, key, value, attention_mask, dropout, scaling, hsdp_paged,
+                                sliding_window, softcap, s_aux, **kwargs)
+    query, weight = mla.query(query)
+    if hsdp_paged is None and key.dim() == 4:  # unpaged: the one latent head for every query head
+        key, value = key.expand(-1, query.shape[1], -1, -1), value.expand(-1, query.shape[1], -1, -1)
+    out, weights = _paged_attention(module, query, key, value, attention_mask, dropout, scaling, hsdp_paged,
+                                    sliding_window, softcap, s_aux, **kwargs)
+    return mla.output(out, weight), weights
+
+
+def _paged_attention(module, query, key, value, attention_mask, dropout, scaling, hsdp_paged, sliding_window,
+                     softcap, s_aux, **kwargs):
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise UnsupportedAttention(f"{type(module).__name__} asks for {name}={kwargs[name]!r}, which the paged "
                                        "engine does not implement")
     pools = kwargs.pop(LAYER_POOLS, None)
     if pools is not None:  # the cache passed this step's keys and values through: they go to these pools
-        key, value = _write_step(getattr(module, "layer_idx", type(module).__name__), hsdp_paged, key, value, *pools)
+        layer = getattr(module, "layer_idx", type(module).__name__)
+        if len(pools) == 1:  # an MLA layer's one pool (its values a view of it, made here, not an input)
+            key, value = _write_latent_step(layer, hsdp_paged, key, pools[0], value.shape[-1])
+        else:
+            key, value = _write_step(layer, hsdp_paged, key, value, *pools)
     if hsdp_paged is None:  # no cache: an idle rank's forward, or a plain call
         return _unpaged(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                         sliding_window=sliding_window, softcap=softcap, s_aux=s_aux, **kwargs)

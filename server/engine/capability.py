@@ -11,8 +11,8 @@ packs the tokens of many sequences into one row. A model is served only if both 
   transformers takes from the longest position in the batch (dynamic NTK, longrope) are chosen
   per sequence (``server.engine.rope``), except where a model has one rope per layer type;
 
-and the engine's cache holds what its attention keeps (not the latents of multi-head latent
-attention, which transformers expands over the whole cache at every layer).
+and the engine's cache holds what its attention keeps (multi-head latent attention: its latents,
+``server.engine.mla``).
 
 :func:`check_servable` raises :class:`UnsupportedModelError` naming the architecture and the
 reason; the server calls it before loading, so the refusal is one line and nothing is read.
@@ -58,10 +58,15 @@ def check_servable(config, model_class=None) -> None:
         raise UnsupportedModelError(
             architecture, f"layer types {other} are not computed by the engine (it computes full and sliding-window "
             "attention; recurrent, convolution and chunked layers are not kept per sequence)")
+    if model_class is None:
+        model_class = _causal_lm_class(config, architecture)
     if getattr(text, "kv_lora_rank", None):
-        raise UnsupportedModelError(
-            architecture, "multi-head latent attention caches latents that transformers expands over the whole cache "
-            "in every layer; the engine does not expand them per sequence yet")
+        from server.engine.mla import has_mla_modules
+
+        if not has_mla_modules(model_class):
+            raise UnsupportedModelError(
+                architecture, "its multi-head latent attention has no expand_kv (transformers' MLA modules have one), "
+                "so the engine cannot cache its latents")
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     per_layer_type = isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values()) and rope
     for params in (rope.values() if per_layer_type else [rope]):
@@ -70,8 +75,6 @@ def check_servable(config, model_class=None) -> None:
             raise UnsupportedModelError(
                 architecture, f"rope_type {rope_type!r} for one layer type of several takes its factors from the "
                 "longest position in the batch; the engine chooses them per sequence only for a model's one rope")
-    if model_class is None:
-        model_class = _causal_lm_class(config, architecture)
     if not getattr(model_class, "_supports_attention_backend", False):
         raise UnsupportedModelError(
             architecture, "its attention does not go through transformers' attention interface (it computes its own, "

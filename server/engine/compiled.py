@@ -188,6 +188,21 @@ class _CompiledHead:
         return self.graph.call(x, head.weight, head.bias)
 
 
+def _complex_rope(model: nn.Module) -> bool:
+    """Whether ``model``'s rotary module gives complex frequencies (DeepSeek-V2) rather than cos and sin."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            buffer = next(iter(module.buffers()), None)
+            device = buffer.device if buffer is not None else torch.device("cpu")
+            try:
+                with torch.no_grad():
+                    out = module(torch.zeros(1, 2, 1, device=device), torch.arange(2, device=device)[None])
+            except TypeError:  # a rope per layer type (Gemma 3: cos and sin)
+                return False
+            return isinstance(out, torch.Tensor) and out.is_complex()
+    return False
+
+
 class _CompiledLayers:
     """``--compile-region layer``: the model's decoder layers (``detect_decoder_layer_names``), each
     run through a graph of one compiled function of the layer, so that dynamo traces a layer rather
@@ -221,6 +236,9 @@ class _CompiledLayers:
         if not self.layers:
             raise CompileUnavailable("--compile-region layer: the model has no repeated decoder layers; "
                                      "--compile-region model compiles the whole forward instead")
+        if _complex_rope(model):
+            raise CompileUnavailable("--compile decode: the model's rope is complex-valued (DeepSeek-V2's freqs_cis), "
+                                     "whose views inductor specializes to one step's size; serve it without --compile")
         self.compiled = torch.compile(_layer_forward, dynamic=False, fullgraph=True, options=INDUCTOR_OPTIONS)
         self.store = None  # a server.engine.graph_store.GraphStore (set by each warm-up), or None: none kept
         self.graphs: list = []  # the graphs traced in this process (CompiledCall), matched by their guards
@@ -273,7 +291,8 @@ class _CompiledLayers:
             self.unchecked |= {id(g) for g in loaded or ()}
         calls = None if self.compiling else self.calls[key]
         for i, (layer, index) in enumerate(self.layers):  # object's setattr: nn.Module's checks cost 24 layers ~0.1 ms
-            pools = (cache.keys[index], cache.values[index])
+            # an MLA cache's one pool a layer: its values are a view of it (server.engine.mla)
+            pools = (cache.keys[index],) if cache.values_in_keys else (cache.keys[index], cache.values[index])
             forward = (functools.partial(self._match, i, key, pools) if calls is None else
                        functools.partial(_run_graph, calls[i], layer, threads, pools))
             object.__setattr__(layer, "forward", forward)
@@ -579,7 +598,7 @@ class CompiledDecode:
                 raise CompileUnavailable("--compile decode: the KV cache is too small to warm up in")
             # the pools' slot count (the KV budget, sized from free memory at every start) as one
             # symbol: a graph of fixed sizes otherwise, whose cache on disk a new budget would miss
-            for pool in cache.keys + cache.values:
+            for pool in cache.keys + ([] if cache.values_in_keys else cache.values):
                 torch._dynamo.mark_dynamic(pool, 1)
             if self._layers is not None:  # each layer matched to its graphs anew (this cache's pools)
                 self._layers.store = self._store(device, block_size)

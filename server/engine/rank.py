@@ -23,6 +23,7 @@ from torch import nn
 
 from server.engine.attention import PagedKVCache, PagedLayout, use_paged_attention
 from server.engine.plan import PromptLogprobs, SequenceAdd, StepPlan, StepResult, TokenResult, Work
+from server.engine.mla import install as install_mla, is_mla, latent_geometry
 from server.engine.rope import install as install_rope, sequence_lengths, token_lengths
 from server.engine.sampling import BatchSampler, Row, RowMasks
 
@@ -43,18 +44,33 @@ class KVGeometry:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    value_dim: int | None = None  # where it differs from head_dim
+    values_in_keys: bool = False  # multi-head latent attention: the values are the keys' first value_dim
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        values = 0 if self.values_in_keys else (self.value_dim or self.head_dim)
+        return (self.num_layers * self.kv_heads * (self.head_dim + values)
+                * torch.empty((), dtype=self.dtype).element_size())
+
+    def describe(self) -> dict:
+        """For /info: the cache's layout a layer and a token, and its bytes a token (all layers)."""
+        return {"layout": "latent" if self.values_in_keys else "heads", "kv_heads": self.kv_heads,
+                "key_dim": self.head_dim, "value_dim": self.value_dim or self.head_dim,
+                "values_in_keys": self.values_in_keys, "dtype": str(self.dtype).removeprefix("torch."),
+                "bytes_per_token": self.bytes_per_token, "bytes_per_token_per_layer": self.bytes_per_token // self.num_layers}
 
     @classmethod
     def of(cls, model: nn.Module) -> KVGeometry:
         config = model.config.get_text_config()
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        if is_mla(config):  # one cached "head" a token: the latent and the rope key (server.engine.mla)
+            key_dim, value_dim = latent_geometry(config)
+            return cls(num_layers=config.num_hidden_layers, kv_heads=1, head_dim=key_dim, dtype=dtype,
+                       value_dim=value_dim, values_in_keys=True)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         return cls(num_layers=config.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
 
 
@@ -117,8 +133,10 @@ class RankEngine:
         geometry = KVGeometry.of(model)
         self.cache = PagedKVCache(num_layers=geometry.num_layers, num_blocks=num_blocks, block_size=block_size,
                                   kv_heads=geometry.kv_heads, head_dim=geometry.head_dim, dtype=geometry.dtype,
-                                  device=device)
+                                  device=device, value_head_dim=geometry.value_dim,
+                                  values_in_keys=geometry.values_in_keys)
         use_paged_attention(model)
+        install_mla(model)  # multi-head latent attention over cached latents, where the model has it
         self.sampler = BatchSampler()
         self.sequences: dict[int, _Sequence] = {}
         self.sequences_started = 0

@@ -92,6 +92,7 @@ def build_app(state: ServerState, cfg=None) -> FastAPI:
             body["kv_cache"] = {
                 "block_size": scheduler.block_size, "prefix_caching": scheduler.pools[0].prefix_caching,
                 "max_batch_prefill_tokens": scheduler.max_prefill_tokens, "preemptions": scheduler.preemptions,
+                **(state.kv_layout or {}),
             }
             ranks = []
             for r, s in enumerate(scheduler.rank_stats):

@@ -50,6 +50,7 @@ class ServerState:
     residency: dict | None = None  # what --resident-units and --prefetch-depth did, per rank
     load_bytes_read: list[int] | None = None  # checkpoint bytes each rank read at startup
     quantization: dict | None = None  # a quantized checkpoint's method, formats and bytes per rank (/info)
+    kv_layout: dict | None = None  # what one token of KV cache holds and costs (/info kv_cache)
     sampling_defaults: dict = field(default_factory=dict)  # generation_config.json's, for OpenAI requests
     special_ids: frozenset = frozenset()  # the tokenizer's special tokens (TGI's `special`)
     chat: object | None = None  # server.api.openai.chat.ChatRenderer: chat template and tool-call format
