@@ -135,6 +135,13 @@ PREFILL_TOKENS = {"cpu": 512, "cuda": 8192}
 arithmetic rate (512 tokens of an 80M model: a step of a few hundred ms beside the decoding
 sequences); a GPU runs a step of thousands of tokens in milliseconds, and a cap of 512 would only
 multiply the steps a long prompt takes (vLLM's chunked prefill on GPUs: 8192 a step)."""
+PREFILL_SHARE = {"cpu": 8, "cuda": 1}
+"""How far the prompts in flight on a rank share its step's prefill budget, per device: on CPU
+down to an eighth (a step's prompt tokens cost their arithmetic on one core, so a wave of 16
+clients' prompts in one 512-token step held every first token to the whole wave's: shared, the
+85M's TTFT p50 at 16 clients went from 0.70-0.80x transformers serve's to 0.45-0.77x; RESULTS.md,
+session 24); on GPUs not at all (a step of thousands of tokens takes milliseconds there: more
+steps would only add their fixed cost; not measured)."""
 COMPILE_BATCH_SIZES = {"cpu": CompileSizes((1,), open_from=2), "cuda": CompileSizes((1, 2, 4, 8, 16, 32, 64, 128))}
 """``--compile-batch-sizes auto`` per device, the graphs compiled at startup. On CPU two: one
 sequence, and every larger batch in one graph of symbolic batch (inductor's CPU loops lose
@@ -289,8 +296,8 @@ class ServeConfig:
     kv_block_size: int = option(16, "tokens per KV cache block (the unit of allocation and of prefix sharing)",
                                 "memory", type=int, metavar="N")
     max_batch_prefill_tokens: int | None = option(
-        None, "prompt tokens a rank computes per step at most, shared by the prompts in flight on it (never below an "
-        "eighth): longer prompts are split over steps while the other sequences go on decoding; "
+        None, "prompt tokens a rank computes per step at most (on CPU shared by the prompts in flight on it, never "
+        "below an eighth): longer prompts are split over steps while the other sequences go on decoding; "
         f"auto: {PREFILL_TOKENS['cpu']} on CPU ranks, {PREFILL_TOKENS['cuda']} on GPUs",
         "memory", type=int_or_keyword("auto", None, 1), metavar="N|auto", none_means="auto")
     prefix_caching: bool = option(True, "reuse the KV blocks of prompts' common prefixes (--no-prefix-caching: "
@@ -438,6 +445,11 @@ class ServeConfig:
     def prefill_tokens_for(self, device_type: str) -> int:
         """``--max-batch-prefill-tokens`` on ranks of ``device_type`` (``auto`` resolved)."""
         return self.max_batch_prefill_tokens or PREFILL_TOKENS.get(device_type, PREFILL_TOKENS["cuda"])
+
+    @staticmethod
+    def prefill_share_for(device_type: str) -> int:
+        """:data:`PREFILL_SHARE` of ``device_type``."""
+        return PREFILL_SHARE.get(device_type, PREFILL_SHARE["cuda"])
 
     def compile_batch_sizes_for(self, device_type: str) -> CompileSizes:
         """``--compile-batch-sizes`` on ranks of ``device_type`` (``auto`` resolved)."""

@@ -322,7 +322,7 @@ def _build_router(cfg: ServeConfig, loaded, groups, per_rank, state, device):
             pools=[BlockPool(per_rank[r][2], cfg.kv_block_size, prefix_caching=cfg.prefix_caching) for r in ranks],
             replicas=[list(range(len(ranks)))], rank_ids=ranks, max_running=share,
             max_queued=limits.max_queued_requests, max_total_tokens=limits.max_total_tokens,
-            max_prefill_tokens=cfg.prefill_tokens_for(device.type),
+            max_prefill_tokens=cfg.prefill_tokens_for(device.type), prefill_share=cfg.prefill_share_for(device.type),
             eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer), metrics=state.metrics, cores=cores,
             rope=rope_switch(loaded.model),
         )

@@ -128,7 +128,7 @@ def test_a_wave_of_prompts_shares_the_prefill_budget_and_a_lone_prompt_takes_it_
     def scheduler():
         return Scheduler(pools=[BlockPool(400, 4, prefix_caching=False) for _ in range(2)], replicas=[[0, 1]],
                          max_running=64, max_total_tokens=2048, eos_token_ids=set(), max_prefill_tokens=512,
-                         idle_wait_s=0.01)
+                         prefill_share=8, idle_wait_s=0.01)
 
     alone = scheduler()
     alone.submit(RequestHandle(list(range(3, 1003)), SamplingParams(max_new_tokens=4), deliver=lambda e: None))
@@ -138,7 +138,7 @@ def test_a_wave_of_prompts_shares_the_prefill_budget_and_a_lone_prompt_takes_it_
         wave.submit(RequestHandle([3 + i] * 25, SamplingParams(max_new_tokens=4), deliver=lambda e: None))
     assert prompt_tokens(wave.next_plan()) == [64, 64]
     crowd = scheduler()
-    for i in range(64):  # 32 a rank: never below 512 / MIN_PREFILL_SHARE
+    for i in range(64):  # 32 a rank: never below 512 / prefill_share
         crowd.submit(RequestHandle([3 + i] * 25, SamplingParams(max_new_tokens=4), deliver=lambda e: None))
     assert prompt_tokens(crowd.next_plan()) == [64, 64]
 

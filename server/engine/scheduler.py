@@ -9,7 +9,7 @@ Token ids only: text is the API side's business (``server.api.detokenize``). Eac
    cached prefix of the prompt, then the fewest blocks in use. All of a prompt's blocks are
    taken at admission;
 3. prompts are computed in chunks: at most ``max_prefill_tokens`` prompt tokens per rank per
-   step, shared by the prompts in flight there (``_prefill_budgets``), new requests' first
+   step (on CPU shared by the prompts in flight there: ``_prefill_budgets``), new requests' first
    chunks before the rest of longer prompts, while decodes go on.
 
 One per replica (``server.engine.step_groups`` routes requests between them), each planning for
@@ -34,11 +34,6 @@ from server.engine.blocks import BlockPool, chain_hashes
 from server.engine.plan import SequenceAdd, StepPlan, StepResult, Work
 from server.engine.sampling import SamplingParams
 
-
-MIN_PREFILL_SHARE = 8
-"""A step's prompt budget on a rank is shared by the prompts in flight there, but never cut below
-``max_prefill_tokens // MIN_PREFILL_SHARE``: past that, a step's fixed cost (its decode rows, the
-weights it reads) outweighs what a smaller chunk saves the first token."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +120,7 @@ class Scheduler:
         max_total_tokens: int,
         eos_token_ids: set[int],
         max_prefill_tokens: int = 512,
+        prefill_share: int = 1,
         max_queued: int = 256,
         idle_wait_s: float = 1.0,
         metrics=None,
@@ -144,6 +140,9 @@ class Scheduler:
         self.max_queued = max_queued
         self.max_total_tokens = max_total_tokens
         self.max_prefill_tokens = max_prefill_tokens
+        # the prompts in flight on a rank share its budget down to max_prefill_tokens // prefill_share (1: the
+        # whole budget a step whatever waits; server.config.PREFILL_SHARE per device)
+        self.prefill_share = prefill_share
         self.eos_token_ids = eos_token_ids
         self.idle_wait_s = idle_wait_s
         self.metrics = metrics
@@ -362,17 +361,19 @@ class Scheduler:
     def _prefill_budgets(self, continuing: list[RequestHandle]) -> list[int]:
         """Each rank's prompt tokens this step: ``max_prefill_tokens`` shared by the prompts in
         flight on it (those mid-prompt there, and an even share of those waiting that could be
-        admitted), down to an eighth of it. A prompt alone gets the whole budget; a wave of
+        admitted), down to ``max_prefill_tokens // prefill_share``. A prompt alone gets the whole budget; a wave of
         short prompts is spread over a few steps, so that its first tokens come as each prompt is
         done rather than all after the wave's one long step (the 85M on 2 CPU ranks, TTFT p50: 16
         clients 226-296 ms against 276-338 at a fixed 512; 64 clients 503-653 against 931 ms;
         benchmarks/RESULTS.md, session 24)."""
+        if self.prefill_share <= 1:
+            return [self.max_prefill_tokens] * self.world_size
         prompts = [0] * self.world_size
         for handle in continuing:
             prompts[handle.rank] += 1
         admissible = max(0, min(len(self._waiting), self.max_running - len(self._running)))
         share = -(-admissible // self.world_size)
-        least = max(1, self.max_prefill_tokens // MIN_PREFILL_SHARE)
+        least = max(1, self.max_prefill_tokens // self.prefill_share)
         return [max(least, self.max_prefill_tokens // max(1, n + share)) for n in prompts]
 
     def _plan_chunk(self, handle: RequestHandle, plan: StepPlan, budget: list[int]) -> None:
