@@ -325,6 +325,32 @@ def test_router_sends_a_request_to_the_replica_whose_step_ends_first():
     assert seventh.scheduler is d
 
 
+def test_a_burst_sharing_a_cached_prefix_is_spread_over_the_replicas():
+    """Prompts whose prefix one replica holds cached go there only while it is within one request of
+    the least loaded: a burst of six is spread, not sent to the cached replica whole."""
+    from server.engine import BlockPool, StepGroupRouter, Scheduler
+    from server.engine.blocks import chain_hashes
+    from server.engine.sampling import SamplingParams
+    from server.engine.scheduler import RequestHandle
+
+    def replica(rank):
+        return Scheduler(pools=[BlockPool(100, 4)], replicas=[[0]], rank_ids=[rank], max_running=8,
+                         max_total_tokens=64, eos_token_ids={0})
+
+    a, b = replica(0), replica(1)
+    prefix = list(range(3, 19))
+    for block, key in zip([a.pools[0].allocate() for _ in range(4)], chain_hashes(prefix, 4)):
+        a.pools[0].register(block, key)
+    a.pools[0].release(list(range(4)))
+    router = StepGroupRouter([a, b], max_running=16, max_queued=16)
+    placed = []
+    for i in range(6):
+        h = RequestHandle(prefix + [40 + i, 41], SamplingParams(max_new_tokens=2), deliver=lambda event: None)
+        router.submit(h)
+        placed.append(h.scheduler is a)
+    assert placed[0] and sum(placed) == 4, placed  # the cached replica first, then within one of the other
+
+
 def test_auto_kv_pool_on_cpu_is_a_fifth_of_available_memory_split_between_the_ranks(monkeypatch):
     """``--kv-cache-memory auto`` on CPU (the suite's servers run with a fixed size, conftest.py):
     this host's MemAvailable x CPU_KV_SHARE / LOCAL_WORLD_SIZE, in whole blocks; a budget that

@@ -70,13 +70,13 @@ def quantize_fused_experts(model: nn.Module, stored: dict[str, tuple[tuple[int, 
     modules changed. A shape that does not match the parameter's is an error naming the tensor."""
     changed = 0
     for name, module in list(model.named_modules()):
-        projections = [p for p in FUSED_PROJECTIONS
-                       if isinstance(module._parameters.get(p), torch.Tensor) and f"{name}.{p}_blocks" in stored]
+        own = dict(module.named_parameters(recurse=False))
+        projections = [p for p in FUSED_PROJECTIONS if p in own and f"{name}.{p}_blocks" in stored]
         if not projections:
             continue
         dtypes = set()
         for proj in projections:
-            dense = module._parameters[proj]
+            dense = own[proj]
             if dense.dim() != 3 or dense.shape[1] % MXFP4_BLOCK:
                 raise CheckpointError(f"{name}.{proj} {tuple(dense.shape)} cannot hold MXFP4 blocks (3 dimensions, "
                                       f"the second a multiple of {MXFP4_BLOCK})", path=path, tensor=f"{name}.{proj}_blocks")
@@ -90,7 +90,7 @@ def quantize_fused_experts(model: nn.Module, stored: dict[str, tuple[tuple[int, 
                     raise CheckpointError(f"{key} is {got and (tuple(got[0]), got[1])}, expected uint8 {shape} for "
                                           f"{name}.{proj} {tuple(dense.shape)}", path=path, tensor=key)
             dtypes.add(dense.dtype)
-            del module._parameters[proj]
+            delattr(module, proj)  # the parameter goes (nn.Module's own deletion)
             for part, shape in expected.items():
                 module.register_parameter(f"{proj}_{part}", nn.Parameter(
                     torch.empty(shape, dtype=torch.uint8, device="meta"), requires_grad=False))

@@ -161,6 +161,7 @@ class _PerSequence:
         else:
             self.threshold = module.original_max_seq_len
         self._frequencies: dict[object, torch.Tensor] = {}
+        self._disabled = None  # self._call out of dynamo's reach, made at the first call
 
     def _inv_freq(self, key, device) -> torch.Tensor:
         if key is None:
@@ -180,8 +181,14 @@ class _PerSequence:
             self._frequencies[key] = inv_freq
         return self._frequencies[key].to(device)
 
-    @torch.compiler.disable
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+        # dynamo does not trace it (a compiled whole model breaks its graph here); the compiler is imported
+        # when a forward runs, not with this module (the grammar workers import the engine without it)
+        if self._disabled is None:
+            self._disabled = torch.compiler.disable(self._call)
+        return self._disabled(x, position_ids, *args, **kwargs)
+
+    def _call(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
         lengths = _lengths
         if lengths is None or args or kwargs or position_ids.shape[0] != 1 or lengths.numel() != position_ids.shape[1]:
             return self.decorated(x, position_ids, *args, **kwargs)

@@ -67,15 +67,17 @@ class StepGroupRouter:
             return sum(pool.num_available for pool in s.pools)
 
         fitting = [s for s in self.schedulers if s.fits_ever(len(tokens))] or self.schedulers
+        least = min(s.open_requests for s in fitting)
         if keys:
-            # a cached prefix counts only while the replica has room in its running share: a
-            # shared system prompt must not send every request to one replica while another idles
+            # a cached prefix counts only while the replica has room in its running share and is within
+            # one request of the least loaded: a shared system prompt (or prompts an earlier burst left
+            # cached on one replica) must not send a burst to one replica while another idles (CI saw
+            # six concurrent requests placed [5, 1])
             cached = {id(s): max((len(pool.match_prefix(keys)) for pool in s.pools), default=0)
-                      if s.open_requests < s.max_running else 0 for s in fitting}
+                      if s.open_requests < s.max_running and s.open_requests <= least + 1 else 0 for s in fitting}
             best = max(cached.values())
             if best:
                 return max((s for s in fitting if cached[id(s)] == best), key=lambda s: (-s.open_requests, free(s)))
-        least = min(s.open_requests for s in fitting)
         near = [s for s in fitting if s.open_requests <= least + 1]
         near = [s for s in near if s.open_requests < s.max_running] or near  # one that admits it now
         now = time.perf_counter()
