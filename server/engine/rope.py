@@ -95,14 +95,21 @@ class RopeSwitch:
                 and tokens == self.threshold + 1)
 
 
+def _threshold(module: nn.Module, kind: str) -> int:
+    """The length past which ``module``'s frequencies change: longrope's
+    ``original_max_position_embeddings``; dynamic NTK's ``max_position_embeddings`` (its module's
+    ``original_max_seq_len``)."""
+    if kind == "longrope":
+        return int(module.config.rope_parameters["original_max_position_embeddings"])
+    return int(getattr(module, "original_max_seq_len", None) or module.config.max_position_embeddings)
+
+
 def rope_switch(model: nn.Module) -> RopeSwitch | None:
     """``model``'s :class:`RopeSwitch`, or None where its rope does not depend on the length."""
     for module in model.modules():
         kind = rope_type(module)
         if kind is None:
             continue
-        threshold = (module.config.rope_parameters["original_max_position_embeddings"] if kind == "longrope"
-                     else module.original_max_seq_len)
         # Phi-3's generate drops the cache at the switch (its prepare_inputs_for_generation, read from the source
         # transformers ships, so that a family that gains or loses it follows)
         prepare = getattr(type(model), "prepare_inputs_for_generation", None)
@@ -111,7 +118,7 @@ def rope_switch(model: nn.Module) -> RopeSwitch | None:
         except (OSError, TypeError):
             source = ""
         recompute = kind == "longrope" and "original_max_position_embeddings" in source
-        return RopeSwitch(kind, int(threshold), recompute)
+        return RopeSwitch(kind, _threshold(module, kind), recompute)
     return None
 
 
@@ -155,11 +162,7 @@ class _PerSequence:
     def __init__(self, module: nn.Module, kind: str, raw):
         self.module, self.kind, self.raw = module, kind, raw
         self.decorated = type(module).forward.__get__(module)
-        config = module.config
-        if kind == "longrope":
-            self.threshold = config.rope_parameters["original_max_position_embeddings"]
-        else:
-            self.threshold = module.original_max_seq_len
+        self.threshold = _threshold(module, kind)
         self._frequencies: dict[object, torch.Tensor] = {}
         self._disabled = None  # self._call out of dynamo's reach, made at the first call
 
