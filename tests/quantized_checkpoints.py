@@ -250,26 +250,14 @@ def write_fp8_block(path, *, base=None, block=(32, 32), seed=0, max_shard_size=D
     ships it (transformers skips ``lm_head`` by default).
     """
     block = (int(block[0]), int(block[1]))
-    path = _prepare_out(path)
-    with _base_checkpoint(base, seed) as base_dir:
-        tensors = read_tensors(base_dir)
-        out: dict[str, torch.Tensor] = {}
-        for name in sorted(tensors, key=_natural_key):
-            t = tensors[name]
-            if _is_quantized_linear(name):
-                q, s = quantize_fp8_block(t, block)
-                out[name] = q
-                out[name[: -len("weight")] + "weight_scale_inv"] = s
-            else:
-                out[name] = t.to(torch.float32)
-        write_shards(path, out, max_shard_size, order=list(out))
-        _copy_side_files(base_dir, path, {
-            "quant_method": "fp8",
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "weight_block_size": [block[0], block[1]],
-        })
-    return path
+
+    def pack(w: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, s = quantize_fp8_block(w.t().contiguous(), block)
+        return {"weight": q, "weight_scale_inv": s}
+
+    return _write_packed(path, base, seed, max_shard_size, pack, {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [block[0], block[1]],
+    })
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,8 +450,26 @@ def write_gptq(path, *, base=None, bits=4, group_size=16, symmetric=True, act_or
     [groups, out*bits/32] (packed along the output; ``checkpoint_format`` ``"gptq"`` stores each zero
     point minus one, ``"gptq_v2"`` as is), ``<m>.scales`` fp16 [groups, out], ``<m>.g_idx`` int32 [in]
     (row i's group: ``i // group_size``, or with ``act_order`` its rank in a random order // group)."""
-    path = _prepare_out(path)
     gen = torch.Generator().manual_seed(seed + 1)
+
+    def pack(w: torch.Tensor) -> dict[str, torch.Tensor]:
+        order = torch.randperm(w.shape[0], generator=gen) if act_order else torch.arange(w.shape[0])
+        g_idx = torch.empty(w.shape[0], dtype=torch.int64)
+        g_idx[order] = torch.arange(w.shape[0]) // group_size
+        codes, scales, zeros = _quantize_groups(w, g_idx, bits, symmetric)
+        stored_zeros = zeros - (1 if checkpoint_format == "gptq" else 0)
+        return {"qweight": pack_codes(codes, bits, 0), "qzeros": pack_codes(stored_zeros & (2 ** bits - 1), bits, 1),
+                "scales": scales, "g_idx": g_idx.to(torch.int32)}
+
+    return _write_packed(path, base, seed, max_shard_size, pack, {
+        "quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": symmetric,
+        "checkpoint_format": checkpoint_format})
+
+
+def _write_packed(path, base, seed, max_shard_size, pack, quant_config: dict) -> str:
+    """The base checkpoint with each quantized linear's ``<m>.weight`` replaced by ``pack(w)``'s
+    tensors (``w`` the weight transposed, [in, out], float32), named ``<m>.<key>``."""
+    path = _prepare_out(path)
     with _base_checkpoint(base, seed) as base_dir:
         tensors = read_tensors(base_dir)
         out: dict[str, torch.Tensor] = {}
@@ -473,20 +479,9 @@ def write_gptq(path, *, base=None, bits=4, group_size=16, symmetric=True, act_or
                 out[name] = t.to(torch.float32)
                 continue
             m = name[: -len(".weight")]
-            w = t.to(torch.float32).t()  # [in, out]
-            order = torch.randperm(w.shape[0], generator=gen) if act_order else torch.arange(w.shape[0])
-            g_idx = torch.empty(w.shape[0], dtype=torch.int64)
-            g_idx[order] = torch.arange(w.shape[0]) // group_size
-            codes, scales, zeros = _quantize_groups(w, g_idx, bits, symmetric)
-            stored_zeros = zeros - (1 if checkpoint_format == "gptq" else 0)
-            out[m + ".qweight"] = pack_codes(codes, bits, 0)
-            out[m + ".qzeros"] = pack_codes(stored_zeros & (2 ** bits - 1), bits, 1)
-            out[m + ".scales"] = scales
-            out[m + ".g_idx"] = g_idx.to(torch.int32)
+            out.update({f"{m}.{key}": value for key, value in pack(t.to(torch.float32).t()).items()})
         write_shards(path, out, max_shard_size, order=list(out))
-        _copy_side_files(base_dir, path, {"quant_method": "gptq", "bits": bits, "group_size": group_size,
-                                          "desc_act": act_order, "sym": symmetric,
-                                          "checkpoint_format": checkpoint_format})
+        _copy_side_files(base_dir, path, quant_config)
     return path
 
 
@@ -494,26 +489,15 @@ def write_awq(path, *, base=None, group_size=16, seed=0, max_shard_size=DEFAULT_
     """AutoAWQ GEMM checkpoint (``quant_method: "awq"``, 4 bits, zero points): per linear
     ``<m>.qweight`` int32 [in, out/8] (codes packed along the output in ``AWQ_ORDER``), ``<m>.qzeros``
     int32 [groups, out/8] (likewise), ``<m>.scales`` fp16 [groups, out]."""
-    path = _prepare_out(path)
-    with _base_checkpoint(base, seed) as base_dir:
-        tensors = read_tensors(base_dir)
-        out: dict[str, torch.Tensor] = {}
-        for name in sorted(tensors, key=_natural_key):
-            t = tensors[name]
-            if not _is_quantized_linear(name):
-                out[name] = t.to(torch.float32)
-                continue
-            m = name[: -len(".weight")]
-            w = t.to(torch.float32).t()
-            codes, scales, zeros = _quantize_groups(w, torch.arange(w.shape[0]) // group_size, 4, False)
-            out[m + ".qweight"] = pack_codes(codes, 4, 1, AWQ_ORDER)
-            out[m + ".qzeros"] = pack_codes(zeros, 4, 1, AWQ_ORDER)
-            out[m + ".scales"] = scales
-        write_shards(path, out, max_shard_size, order=list(out))
-        _copy_side_files(base_dir, path, {"quant_method": "awq", "bits": 4, "group_size": group_size,
-                                          "zero_point": True, "version": "gemm",
-                                          "modules_to_not_convert": None})
-    return path
+
+    def pack(w: torch.Tensor) -> dict[str, torch.Tensor]:
+        codes, scales, zeros = _quantize_groups(w, torch.arange(w.shape[0]) // group_size, 4, False)
+        return {"qweight": pack_codes(codes, 4, 1, AWQ_ORDER), "qzeros": pack_codes(zeros, 4, 1, AWQ_ORDER),
+                "scales": scales}
+
+    return _write_packed(path, base, seed, max_shard_size, pack, {
+        "quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
+        "modules_to_not_convert": None})
 
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
