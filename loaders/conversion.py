@@ -26,6 +26,7 @@ tests that load Hub-layout checkpoints of the families that use it (tests/test_f
 from __future__ import annotations
 
 import copy
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -103,7 +104,7 @@ def plan_conversions(model: nn.Module, checkpoint_keys) -> ConversionPlan:
         return ConversionPlan({k: k for k in keys}, {}, [])
     mapping = get_model_conversion_mapping(model)
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    converters = _with_quantized_companions([m for m in mapping if isinstance(m, WeightConverter)], model)
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
     renamed, target_of, targets = {}, {}, {}
     for key in sorted(checkpoint_keys, key=dot_natural_key):
@@ -120,6 +121,33 @@ def plan_conversions(model: nn.Module, checkpoint_keys) -> ConversionPlan:
     for target in targets.values():
         target.row_local = _row_local(target)
     return ConversionPlan(renamed, target_of, list(targets.values()))
+
+
+QUANTIZED_COMPANIONS = {"_fp8": ".weight", "_scale_inv": ".weight_scale_inv"}
+"""How a fused parameter stored quantized by experts is named in the model (the suffix on the
+converter's target) and in the checkpoint (the suffix on each source, in place of ``.weight``):
+fp8 experts' e4m3 weights and block scales (:func:`loaders.quantization.experts.quantize_fp8_experts`)."""
+
+
+def _with_quantized_companions(converters: list, model: nn.Module) -> list:
+    """The model's converters, where a converter's target is held quantized (the model has
+    ``<target>_scale_inv``) replaced by one copy per stored tensor, each with the same chain: the
+    experts' weights into ``<target>_fp8``, their scales into ``<target>_scale_inv``. As
+    transformers' quantizers copy a converter for the scales a module keeps
+    (``HfQuantizer.update_weight_conversions``)."""
+    names = "\n".join(name for name, _ in model.named_parameters())
+    out = []
+    for converter in converters:
+        sources, targets = list(converter.source_patterns), list(converter.target_patterns)
+        quantized = (len(targets) == 1 and all(s.endswith(".weight") for s in sources)
+                     and re.search(re.escape(targets[0]) + "_scale_inv$", names, re.MULTILINE))
+        if not quantized:
+            out.append(converter)
+            continue
+        for suffix, stored in QUANTIZED_COMPANIONS.items():
+            out.append(converter.copy([s.removesuffix(".weight") + stored for s in sources], [targets[0] + suffix],
+                                      operations=copy.deepcopy(list(converter.operations))))
+    return out
 
 
 def _row_local(target: ConversionTarget) -> bool:

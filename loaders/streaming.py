@@ -531,22 +531,33 @@ class _StreamingLoad:
         return nn.Parameter(value, requires_grad=False)
 
 
-def _model_named_tensors(model: nn.Module, files) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def _model_named_tensors(model: nn.Module, files) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]],
+                                                         dict[str, tuple[list[str], int]]]:
     """The checkpoint's tensors under the model's names (transformers' renamings, then the
-    prefix mapping, as :class:`_StreamingLoad` maps them) -> (shape, dtype)."""
-    renamed = plan_conversions(model, files.tensors).renamed
+    prefix mapping, as :class:`_StreamingLoad` maps them) -> (shape, dtype); and the model
+    tensors conversions make -> (their sources' keys under the same prefix mapping, in the
+    chain's order; the number of source patterns, the parts a concatenation joins)."""
+    conversions = plan_conversions(model, files.tensors)
+    renamed = conversions.renamed
     layout = describe_layout(model)
     keys = {renamed.get(key, key): info for key, (_, info) in files.tensors.items()}
-    strip, add = match_key_prefix(model, set(keys), set(layout.expected))
-    return {add + key[len(strip):]: (info.shape, info.dtype) for key, info in keys.items() if key.startswith(strip)}
+    strip, add = match_key_prefix(model, set(keys) | conversions.model_keys, set(layout.expected))
+
+    def model_key(key: str) -> str:
+        return add + key[len(strip):]
+
+    stored = {model_key(key): (info.shape, info.dtype) for key, info in keys.items() if key.startswith(strip)}
+    fused = {model_key(t.name): ([model_key(k) for keys in t.sources.values() for k in keys], len(t.sources))
+             for t in conversions.targets if t.name.startswith(strip)}
+    return stored, fused
 
 
 def _quantize_skeleton(model: nn.Module, plan, files) -> dict[str, int]:
-    """The skeleton's linears that the checkpoint stores quantized become QuantizedLinear
-    (:mod:`loaders.quantization`); returns {format: layers}."""
-    stored = _model_named_tensors(model, files)
-    counts = quantize_skeleton(model, plan, stored, path=files.directory)
-    check_nothing_else_quantized(model, stored, path=files.directory)
+    """The skeleton's linears that the checkpoint stores quantized become QuantizedLinear, its
+    quantized experts their quantized forms (:mod:`loaders.quantization`); returns {format: layers}."""
+    stored, fused = _model_named_tensors(model, files)
+    counts, taken = quantize_skeleton(model, plan, stored, path=files.directory, fused=fused)
+    check_nothing_else_quantized(model, stored, path=files.directory, taken=taken)
     if not counts:
         raise CheckpointError(f"quantization_config says {plan.method} but no layer's quantized tensors are in the "
                               "checkpoint", path=files.directory)
@@ -628,7 +639,7 @@ def load_hsdp_model(
                     logger.info("--quantization %s ignored: the checkpoint ships quantized (%s)", quantize,
                                 quantization.method)
             elif quantize:
-                names = set(_model_named_tensors(model, files))
+                names = set(_model_named_tensors(model, files)[0])
                 stats.quantized_layers = quantize_skeleton_on_load(model, quantize, skeleton_dtype, names)
             if generation_config is not None and hasattr(model, "generation_config"):
                 model.generation_config = generation_config

@@ -50,6 +50,26 @@ def make_config(arch: str, vocab_size: int):
             num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
             tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
         )
+    if arch == "qwen3_moe":  # per-expert tensors in its checkpoints, fused in the model (4 experts, 2 a token)
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, max_position_embeddings=256, tie_word_embeddings=False,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )
+    if arch == "deepseek_v3":  # latent attention, a dense first layer, then shared and routed experts; every
+        # projection's rows and columns a multiple of 16 (transformers' fp8 dequantization derives 16x16 blocks from them)
+        from transformers import DeepseekV3Config
+
+        return DeepseekV3Config(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16,
+            qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+            moe_intermediate_size=32, n_group=1, topk_group=1, max_position_embeddings=256,
+            tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )
     if arch == "bert":
         return BertConfig(
             vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -211,6 +211,12 @@ def _is_quantized_linear(name: str) -> bool:
     return bool(re.search(r"\.layers\.\d+\.(self_attn|mlp)\.(%s)\.weight$" % "|".join(LINEARS), name))
 
 
+def _is_any_projection(name: str) -> bool:
+    """Every projection of a block, experts' and latent attention's too (DeepSeek-V3's fp8 checkpoints
+    quantize all of them; the router ``mlp.gate`` and the norms stay)."""
+    return bool(re.search(r"\.layers\.\d+\.(self_attn|mlp)\.((shared_)?experts\.(\d+\.)?)?\w*proj\w*\.weight$", name))
+
+
 # ---------------------------------------------------------------------------------------------
 # 1. transformers "fp8" (FineGrainedFP8): block-wise float8_e4m3fn + weight_scale_inv
 # ---------------------------------------------------------------------------------------------
@@ -242,12 +248,15 @@ def dequantize_fp8_block(weight: torch.Tensor, weight_scale_inv: torch.Tensor, b
     return (weight.to(torch.float32) * s).to(dtype)
 
 
-def write_fp8_block(path, *, base=None, block=(32, 32), seed=0, max_shard_size=DEFAULT_SHARD) -> str:
+def write_fp8_block(path, *, base=None, block=(32, 32), seed=0, max_shard_size=DEFAULT_SHARD,
+                    experts: bool = False) -> str:
     """DeepSeek-V3 / Qwen3-FP8 style checkpoint (transformers ``quant_method: "fp8"``).
 
     config ``quantization_config``: ``{"quant_method": "fp8", "activation_scheme": "dynamic",
     "fmt": "e4m3", "weight_block_size": [b0, b1]}`` -- no ``modules_to_not_convert``, as DeepSeek-V3
-    ships it (transformers skips ``lm_head`` by default).
+    ships it (transformers skips ``lm_head`` by default). ``experts``: every projection of a block
+    (``_is_any_projection``: each expert's, latent attention's), as DeepSeek-V3 and Qwen3-MoE-FP8
+    ship; ``base`` then a MoE checkpoint in the Hub's per-expert layout (save_pretrained writes it).
     """
     block = (int(block[0]), int(block[1]))
 
@@ -257,7 +266,7 @@ def write_fp8_block(path, *, base=None, block=(32, 32), seed=0, max_shard_size=D
 
     return _write_packed(path, base, seed, max_shard_size, pack, {
         "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [block[0], block[1]],
-    })
+    }, select=_is_any_projection if experts else _is_quantized_linear)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,16 +475,16 @@ def write_gptq(path, *, base=None, bits=4, group_size=16, symmetric=True, act_or
         "checkpoint_format": checkpoint_format})
 
 
-def _write_packed(path, base, seed, max_shard_size, pack, quant_config: dict) -> str:
-    """The base checkpoint with each quantized linear's ``<m>.weight`` replaced by ``pack(w)``'s
-    tensors (``w`` the weight transposed, [in, out], float32), named ``<m>.<key>``."""
+def _write_packed(path, base, seed, max_shard_size, pack, quant_config: dict, select=_is_quantized_linear) -> str:
+    """The base checkpoint with each quantized linear's ``<m>.weight`` (``select(name)``) replaced by
+    ``pack(w)``'s tensors (``w`` the weight transposed, [in, out], float32), named ``<m>.<key>``."""
     path = _prepare_out(path)
     with _base_checkpoint(base, seed) as base_dir:
         tensors = read_tensors(base_dir)
         out: dict[str, torch.Tensor] = {}
         for name in sorted(tensors, key=_natural_key):
             t = tensors[name]
-            if not _is_quantized_linear(name):
+            if not select(name):
                 out[name] = t.to(torch.float32)
                 continue
             m = name[: -len(".weight")]

@@ -147,6 +147,58 @@ def test_mxfp4_experts_equal_transformers_and_are_sharded_by_experts(tmp_path, m
         assert got["bytes_read"] < 1.15 * got["checkpoint_bytes"] / mesh[1], got
 
 
+def _load_fp8_experts(rank, world_size, path, mesh):
+    from torch.distributed.tensor import DTensor
+
+    from loaders import load_hsdp_model
+    from loaders.quantization import quantized_bytes
+    from shard_engine import HSDPInferenceConfig
+
+    loaded = load_hsdp_model(path, HSDPInferenceConfig(replicate_size=mesh[0], shard_size=mesh[1]), dtype="float32")
+    experts = loaded.model.model.layers[1].mlp.experts
+    own = dict(experts.named_parameters(recurse=False))
+    assert "gate_up_proj" not in own and isinstance(own["gate_up_proj_fp8"], DTensor), sorted(own)
+    return {"ids": [generate_ids(loaded.model, loaded.tokenizer, p, TOKENS) for p in PROMPTS],
+            "stored": {n: (tuple(p.to_local().shape), p.dtype) for n, p in own.items()},
+            "held": quantized_bytes(loaded.model), "bytes_read": loaded.stats.bytes_read,
+            "checkpoint_bytes": loaded.stats.checkpoint_bytes, "layers": loaded.stats.quantized_layers}
+
+
+@pytest.mark.parametrize("arch,block,mesh", [("deepseek_v3", 16, (1, 2)), ("qwen3_moe", 16, (1, 2)),
+                                             ("deepseek_v3", 16, (2, 2)), ("qwen3_moe", 16, (1, 3)),
+                                             ("deepseek_v3", 32, (1, 2))],
+                         ids=["deepseek_v3-2-ranks", "qwen3_moe-2-ranks", "deepseek_v3-2x2", "qwen3_moe-3-ranks",
+                              "deepseek_v3-partial-blocks"])
+def test_fp8_experts_equal_transformers_and_are_sharded_by_experts(tmp_path, arch, block, mesh):
+    """DeepSeek-V3's and Qwen3-MoE-FP8's layout: each expert's projections stored e4m3 with block
+    scales under per-expert names (and, for DeepSeek-V3, latent attention's and the shared experts'
+    linears too). Greedy output equals transformers' own load (it dequantizes on CPU) in float32;
+    the stacked experts stay e4m3 with their scales, each rank holding its experts' (4 experts: 2 a
+    rank, 2/1/1 on 3) and reading about 1/S of the checkpoint. 32x32 blocks leave partial edge
+    blocks (``kv_a_proj_with_mqa``'s 48 rows, as DeepSeek-V3's 576 in 128s): transformers derives
+    its blocks from the scale grid there (wrongly, or refuses), so the reference is the dense
+    checkpoint of the weights the fp8 specification gives."""
+    base = write_checkpoint(tmp_path / "base", arch)
+    path = qc.write_fp8_block(tmp_path / "fp8", base=base, block=(block, block), experts=True)
+    reference = reference_generate(path if block == 16 else qc.write_dequantized(tmp_path / "dense", path),
+                                   max_new_tokens=TOKENS)
+    results = values(run_ranks(_load_fp8_experts, mesh[0] * mesh[1], tmp_path, path, mesh, timeout=300))
+    experts = [-(-4 // mesh[1])] * (mesh[1] - 1)
+    experts.append(4 - sum(experts))
+    for rank, got in enumerate(results):
+        assert got["ids"] == reference, (rank, got["ids"], reference)
+        local = experts[rank % mesh[1]]
+        assert got["stored"]["gate_up_proj_fp8"] == ((local, 64, 64), torch.float8_e4m3fn), got["stored"]
+        # gate's and up's 32 rows each: their scale rows stacked, 2 + 2 in 16s, 1 + 1 in 32s
+        assert got["stored"]["gate_up_proj_scale_inv"] == ((local, 64 // block, 64 // block), torch.float32)
+        assert got["stored"]["down_proj_fp8"] == ((local, 64, 32), torch.float8_e4m3fn), got["stored"]
+        moe_layers = 2 if arch == "qwen3_moe" else 1
+        assert got["layers"][f"fp8 e4m3 experts, {block}x{block} blocks"] == moe_layers, got["layers"]
+        fp8 = moe_layers * 4 * (64 * 64 + 64 * 32)  # (gate_up + down) x experts x layers, 1 byte each
+        assert got["held"]["weights"] >= fp8 * local // 4, got["held"]
+        assert got["bytes_read"] < 1.15 * got["checkpoint_bytes"] / mesh[1], got
+
+
 def test_server_serves_a_quantized_checkpoint_and_reports_its_bytes(quantized, tmp_path):
     path, reference = quantized["w8a8"]
     with ServerProcess(path, nproc=2, extra_args=("--dtype", "float32"), log_path=tmp_path / "log") as server:
@@ -167,6 +219,27 @@ def test_server_serves_a_quantized_checkpoint_and_reports_its_bytes(quantized, t
         assert held[0]["scales"] == 3 * sum(out // 2 * 4 for out, _ in rows.values())
         metrics = server.client.get("/metrics").text
         assert f'hsdp_quantized_bytes{{kind="weights",rank="1"}} {float(held[1]["weights"])}' in metrics
+
+
+def test_server_serves_deepseek_v3_in_fp8(tmp_path):
+    """DeepSeek-V3's fp8 layout through the real server on 2 ranks: latent attention over fp8
+    projections in the paged cache, fp8 experts sharded by experts, greedy tokens equal to
+    transformers' own load; ``/info`` counts the experts modules among the quantized layers and each
+    rank holds half the experts' e4m3 bytes."""
+    base = write_checkpoint(tmp_path / "base", "deepseek_v3")
+    path = qc.write_fp8_block(tmp_path / "fp8", base=base, block=(16, 16), experts=True)
+    reference = reference_generate(path, max_new_tokens=TOKENS)
+    with ServerProcess(path, nproc=2, extra_args=("--dtype", "float32"), log_path=tmp_path / "log") as server:
+        for prompt, want in zip(PROMPTS, reference):
+            r = server.client.post("/generate", json={"inputs": prompt, "parameters": {
+                "max_new_tokens": TOKENS, "details": True}})
+            assert r.status_code == 200, r.text
+            assert [t["id"] for t in r.json()["details"]["tokens"]] == want
+        info = server.client.get("/info").json()["quantization"]
+        # 2 layers x (q_a, q_b, kv_a, kv_b, o) + the dense MLP's 3 + the shared experts' 3, and 1 experts module
+        assert info["layers"] == {"fp8 e4m3, 16x16 blocks": 16, "fp8 e4m3 experts, 16x16 blocks": 1}, info
+        experts = 4 * (64 * 64 + 64 * 32) // 2  # a rank's 2 experts' gate_up and down, a byte a weight
+        assert all(h["weights"] > experts for h in info["bytes_per_rank"]), info
 
 
 @pytest.mark.parametrize("qconfig, named", [
@@ -254,7 +327,7 @@ def test_the_most_specific_config_group_wins_and_strays_are_refused():
     check_nothing_else_quantized(model, stored)
     for stray in ({"experts.gate_up_proj.weight_scale_inv": ((4, 4), torch.float32)},
                   {"experts.0.down_proj.weight": ((16, 16), torch.float8_e4m3fn)}):
-        with pytest.raises(CheckpointError, match="belongs to no linear layer"):
+        with pytest.raises(CheckpointError, match="belongs to no layer the server dequantizes"):
             check_nothing_else_quantized(model, {**stored, **stray})
 
 
@@ -392,13 +465,16 @@ def _compiled_and_eager(rank, world_size, paths):
 def test_compiled_layers_over_quantized_layers_equal_eager(tmp_path):
     """``--compile decode`` over a quantized checkpoint (W8A8: the input fake-quantized in the graph;
     GPTQ with activation order: its codes unpacked and gathered by ``g_idx`` in the graph; gpt-oss's
-    MXFP4 experts, dequantized by the experts module's properties in the graph) and over
+    MXFP4 experts and Qwen3-MoE's fp8 experts, dequantized by the experts module's properties in the
+    graph) and over
     ``--quantization int8``: the layers' graphs hold the quantized layers' dequantization,
     and greedy tokens equal eager's in float32 (steps of 3, 2 and 1 sequences and the prompts' step)."""
     base = write_checkpoint(tmp_path / "base", "llama")
     paths = {"w8a8": (qc.write_compressed_w8a8(tmp_path / "w8a8", base=base), None), "int8": (base, "int8"),
              "gptq": (qc.write_gptq(tmp_path / "gptq", base=base, act_order=True), None),
-             "mxfp4": (qc.write_mxfp4(tmp_path / "mxfp4"), None)}
+             "mxfp4": (qc.write_mxfp4(tmp_path / "mxfp4"), None),
+             "fp8-experts": (qc.write_fp8_block(tmp_path / "fp8-experts", block=(16, 16), experts=True,
+                                                base=write_checkpoint(tmp_path / "moe", "qwen3_moe")), None)}
     [got] = values(run_ranks(_compiled_and_eager, 1, tmp_path, paths, timeout=600))
     for name, result in got.items():
         assert result["compiled"] == result["eager"], (name, result)

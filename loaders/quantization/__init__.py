@@ -1,4 +1,5 @@
-"""Quantized checkpoints: FP8, compressed-tensors INT4/INT8/FP8, GPTQ, AWQ, MXFP4 experts; sharded, gathered quantized.
+"""Quantized checkpoints: FP8 (linears and experts), compressed-tensors INT4/INT8/FP8, GPTQ, AWQ, MXFP4 experts;
+sharded, gathered quantized.
 
 Contract. :func:`quantization_plan` reads a config's ``quantization_config`` before any weight is
 read and returns a :class:`QuantizationPlan`, or None for a plain checkpoint, or raises
@@ -13,9 +14,10 @@ whatever their dtype), every rank reads only its rows, the all-gather moves the 
 (FSDP2 gathers a unit of mixed dtypes as bytes), and the shared resident copy on one host is the
 quantized one. A unit's forward dequantizes each weight as transformers' own load does (the same
 functions: compressed-tensors' compressors, or FP8's block scales in the same order; GPTQ and AWQ
-as their specifications say), so greedy output equals transformers' in float32. gpt-oss's MXFP4
-experts are the one format that is not a linear: :mod:`loaders.quantization.experts` swaps the
-fused experts parameters for their blocks and scales.
+as their specifications say), so greedy output equals transformers' in float32. MoE experts
+are not linears: :mod:`loaders.quantization.experts` swaps the fused experts parameters for
+gpt-oss's MXFP4 blocks and scales, or for the stacked e4m3 weights and block scales of FP8
+checkpoints that store each expert's projections (DeepSeek-V3, Qwen3-MoE-FP8).
 
 Row shards and blocks: FSDP2 chunks each tensor by rows on its own, so where a format's scales
 cover blocks of rows (FP8's 128-row blocks) a shard boundary need not fall on a block edge, and

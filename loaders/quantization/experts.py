@@ -1,18 +1,33 @@
-"""MXFP4 fused experts (gpt-oss): the checkpoint's blocks and scales as parameters, dequantized where a forward runs.
+"""Quantized fused experts: the checkpoint's tensors as parameters, dequantized where a forward runs.
 
-gpt-oss ships its experts' ``gate_up_proj`` and ``down_proj`` (stacked [experts, in, out] in the
-model) as OCP MXFP4: ``<proj>_blocks`` uint8 [experts, out, in/32, 16] (two e2m1 codes a byte, the
-low nibble first) and ``<proj>_scales`` uint8 [experts, out, in/32] (one power of two, biased by 127,
-for each 32 values). :func:`quantize_fused_experts` swaps those two tensors in for each fused
-parameter of the meta skeleton's experts modules: they are ordinary parameters of the unit, sharded
-by their first dimension (the experts: each rank reads and holds its experts' blocks, 4.25 bits a
-weight) and gathered as stored. The module's class becomes a subclass whose ``gate_up_proj`` /
-``down_proj`` are properties: the whole stacked weight dequantized, in the model's dtype, each time
-the forward reads it. transformers' experts forwards (``grouped_mm``, ``batched_mm``: the default
-on every device) read each once a forward; its per-expert ``eager`` loop would dequantize once per
-expert it visits. The dequantization is transformers' own (``convert_moe_packed_tensors``: the code
-looked up in the e2m1 table in the model's dtype, ``ldexp`` by the scale), so greedy output equals
-its load of the checkpoint (which dequantizes on CPU) bit for bit in float32.
+transformers keeps a MoE layer's experts as fused parameters of one module (``gate_up_proj``
+[E, 2I, H] and ``down_proj`` [E, H, I] for most families; [E, in, out] for gpt-oss). Two formats
+store them quantized:
+
+* **MXFP4** (gpt-oss): ``<proj>_blocks`` uint8 [experts, out, in/32, 16] (two e2m1 codes a byte,
+  the low nibble first) and ``<proj>_scales`` uint8 [experts, out, in/32] (one power of two,
+  biased by 127, for each 32 values), stored fused. :func:`quantize_fused_experts` swaps those two
+  tensors in for each fused parameter. The dequantization is transformers' own
+  (``convert_moe_packed_tensors``: the code looked up in the e2m1 table in the model's dtype,
+  ``ldexp`` by the scale).
+* **FP8 blocks** (DeepSeek-V3/R1, Kimi K2, Qwen3-MoE-FP8: ``quant_method: fp8``): one
+  float8_e4m3fn ``weight`` and float32 ``weight_scale_inv`` per expert and projection
+  (``experts.{e}.gate_proj.weight``...), which transformers' conversion mapping stacks into the
+  fused parameter. :func:`quantize_fp8_experts` swaps in ``<proj>_fp8`` (the stacked e4m3 weight,
+  as stored) and ``<proj>_scale_inv`` (the stacked block scales) for each fused parameter whose
+  sources the checkpoint stores so; :func:`loaders.conversion.plan_conversions` then stacks the
+  experts' weights and their scales with the same chain as the dense weights (row-local: each
+  rank reads its own experts'). The dequantization is transformers' (``Fp8Dequantize``: e4m3
+  widened to float32 times the block's scale, then the model's dtype).
+
+Either way the new parameters are ordinary parameters of the unit, sharded by their first
+dimension (the experts: each rank reads and holds its experts' quantized tensors, scales whole
+with their experts) and gathered as stored. The module's class becomes a subclass whose fused
+names are properties: the whole stacked weight dequantized, in the model's dtype, each time the
+forward reads it. transformers' experts forwards (``grouped_mm``, ``batched_mm``: the default on
+every device) read each once a forward; its per-expert ``eager`` loop would dequantize once per
+expert it visits. So greedy output equals transformers' load of the checkpoint (which
+dequantizes on CPU) bit for bit in float32.
 """
 
 from __future__ import annotations
@@ -21,6 +36,7 @@ import torch
 from torch import nn
 
 from loaders.errors import CheckpointError
+from loaders.quantization.formats import FP8, dequantize_fp8_block, fp8_scale_shape
 
 FUSED_PROJECTIONS = ("gate_up_proj", "down_proj")
 """The fused experts parameters MXFP4 checkpoints store as blocks and scales (gpt-oss's names)."""
@@ -40,23 +56,33 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return values.reshape(*blocks.shape[:-2], -1).transpose(1, 2).contiguous()
 
 
-def _dequantized(proj: str):
+def _dequantized_mxfp4(proj: str):
     def weight(self) -> torch.Tensor:
         return dequantize_mxfp4(getattr(self, f"{proj}_blocks"), getattr(self, f"{proj}_scales"),
-                                self.mxfp4_dtype)
+                                self.experts_dtype)
 
     return property(weight, doc=f"``{proj}`` dequantized from its MXFP4 blocks and scales, for this forward")
 
 
-_SUBCLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+def _dequantized_fp8(proj: str):
+    def weight(self) -> torch.Tensor:
+        return dequantize_fp8_block(getattr(self, f"{proj}_fp8"), getattr(self, f"{proj}_scale_inv"),
+                                    self.fp8_block, parts=self.fp8_parts[proj]).to(self.experts_dtype)
+
+    return property(weight, doc=f"``{proj}`` dequantized from its e4m3 weight and block scales, for this forward")
 
 
-def _mxfp4_class(cls: type, projections: tuple[str, ...]) -> type:
-    """``cls`` with ``projections`` read through :func:`dequantize_mxfp4` (one subclass per class and set)."""
-    key = (cls, projections)
+_SUBCLASSES: dict[tuple[type, str, tuple[str, ...]], type] = {}
+
+
+def _quantized_class(cls: type, kind: str, projections: tuple[str, ...]) -> type:
+    """``cls`` with ``projections`` read through the ``kind`` (``MXFP4`` or ``FP8``) dequantization
+    (one subclass per class, kind and set)."""
+    key = (cls, kind, projections)
     if key not in _SUBCLASSES:
-        name = f"MXFP4{cls.__name__}" + ("" if projections == FUSED_PROJECTIONS else "_" + "_".join(projections))
-        subclass = type(name, (cls,), {**{p: _dequantized(p) for p in projections}, "__module__": __name__})
+        name = f"{kind}{cls.__name__}" + ("" if projections == FUSED_PROJECTIONS else "_" + "_".join(projections))
+        getter = _dequantized_mxfp4 if kind == "MXFP4" else _dequantized_fp8
+        subclass = type(name, (cls,), {**{p: getter(p) for p in projections}, "__module__": __name__})
         # importable by name, as pickle finds classes (compiled graphs saved to disk name their modules' classes)
         globals()[name] = subclass
         _SUBCLASSES[key] = subclass
@@ -94,9 +120,69 @@ def quantize_fused_experts(model: nn.Module, stored: dict[str, tuple[tuple[int, 
             for part, shape in expected.items():
                 module.register_parameter(f"{proj}_{part}", nn.Parameter(
                     torch.empty(shape, dtype=torch.uint8, device="meta"), requires_grad=False))
-        module.mxfp4_dtype = dtypes.pop()
+        module.experts_dtype = dtypes.pop()
         module.row_sharded = tuple(f"{p}_{part}" for p in projections for part in ("blocks", "scales"))
         module.quantized_tensor_names = module.row_sharded
-        module.__class__ = _mxfp4_class(type(module), tuple(projections))
+        module.__class__ = _quantized_class(type(module), "MXFP4", tuple(projections))
         changed += 1
     return changed
+
+
+def quantize_fp8_experts(model: nn.Module, fused: dict[str, tuple[list[str], int]],
+                         stored: dict[str, tuple[tuple[int, ...], torch.dtype]], block: tuple[int, int],
+                         path: str | None = None) -> tuple[int, set[str]]:
+    """Swap, in the meta skeleton ``model``, each fused experts parameter whose checkpoint sources
+    are e4m3 weights with block scales for ``<proj>_fp8`` and ``<proj>_scale_inv``.
+
+    ``fused``: model name of a fused parameter -> (its sources' checkpoint keys under the model's
+    prefix, in the conversion's order: expert 0's gate, ..., then the ups; the number of tensors
+    concatenated along its rows, 2 for ``gate_up_proj``); ``stored``: those keys -> (shape, dtype).
+    Returns (modules changed, the checkpoint keys they take). Mixed storage (some sources e4m3,
+    some not), a missing scale or a shape that does not stack to the parameter's is an error
+    naming the tensor."""
+    changed, taken = 0, set()
+    for name, module in list(model.named_modules()):
+        own = dict(module.named_parameters(recurse=False))
+        projections = [p for p in own if f"{name}.{p}" in fused and own[p].dim() == 3
+                       and any(stored[k][1] == FP8 for k in fused[f"{name}.{p}"][0] if k in stored)]
+        if not projections:
+            continue
+        dtypes, parts_of = set(), {}
+        for proj in projections:
+            dense, (keys, parts) = own[proj], fused[f"{name}.{proj}"]
+            experts, rows, cols = dense.shape
+            if rows % parts:
+                raise CheckpointError(f"{name}.{proj} {tuple(dense.shape)}: {rows} rows do not split into {parts}",
+                                      path=path, tensor=keys[0])
+            want = (rows // parts, cols)
+            scale_rows, scale_cols = fp8_scale_shape(*want, block)
+            scale_dtypes = set()
+            for key in keys:
+                got, scale = stored.get(key), stored.get(key + "_scale_inv")
+                if got is None or got[1] != FP8 or tuple(got[0]) != want:
+                    raise CheckpointError(f"{key} is {got and (tuple(got[0]), got[1])}, expected {FP8} {want} (the "
+                                          f"experts of {name}.{proj} are stored in fp8)", path=path, tensor=key)
+                if scale is None or tuple(scale[0]) != (scale_rows, scale_cols):
+                    raise CheckpointError(f"{key}_scale_inv is {scale and tuple(scale[0])}, expected "
+                                          f"{(scale_rows, scale_cols)} for {block[0]}x{block[1]} blocks", path=path,
+                                          tensor=key + "_scale_inv")
+                scale_dtypes.add(scale[1])
+                taken.update((key, key + "_scale_inv"))
+            if len(scale_dtypes) != 1:
+                raise CheckpointError(f"the experts' scales of {name}.{proj} mix dtypes {sorted(map(str, scale_dtypes))}",
+                                      path=path, tensor=keys[0] + "_scale_inv")
+            dtypes.add(dense.dtype)
+            delattr(module, proj)
+            module.register_parameter(f"{proj}_fp8", nn.Parameter(
+                torch.empty(dense.shape, dtype=FP8, device="meta"), requires_grad=False))
+            module.register_parameter(f"{proj}_scale_inv", nn.Parameter(
+                torch.empty((experts, parts * scale_rows, scale_cols), dtype=scale_dtypes.pop(), device="meta"),
+                requires_grad=False))
+            parts_of[proj] = parts
+        module.experts_dtype = dtypes.pop()
+        module.fp8_block, module.fp8_parts = tuple(block), parts_of
+        module.row_sharded = tuple(f"{p}{suffix}" for p in projections for suffix in ("_fp8", "_scale_inv"))
+        module.quantized_tensor_names = module.row_sharded
+        module.__class__ = _quantized_class(type(module), "FP8", tuple(projections))
+        changed += 1
+    return changed, taken

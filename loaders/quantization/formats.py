@@ -40,6 +40,8 @@ GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}
 (``gptq``, "v1") stores each zero point minus one, GPTQModel's ``gptq_v2`` stores it as is."""
 AWQ_VERSIONS = ("gemm",)
 MXFP4_EXPERTS = "mxfp4 experts (e2m1, a power-of-two scale per 32)"
+FP8 = torch.float8_e4m3fn
+"""The fp8 method's weight dtype (e4m3: the only ``fmt`` served)."""
 
 
 @dataclass(frozen=True)
@@ -284,3 +286,19 @@ def _check_scheme(scheme, kind: str, where: str, refuse) -> None:
 def fp8_scale_shape(out_features: int, in_features: int, block: tuple[int, int]) -> tuple[int, int]:
     """The shape of an fp8 weight's ``weight_scale_inv``: one scale per block, edge blocks partial."""
     return math.ceil(out_features / block[0]), math.ceil(in_features / block[1])
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                         parts: int = 1) -> torch.Tensor:
+    """An fp8 weight [..., rows, cols] times its block scales [..., ceil(rows/b0), ceil(cols/b1)],
+    in float32, as transformers' FineGrainedFP8 dequantizes on load: each block's e4m3 values
+    widened to float32 and multiplied by that block's scale. ``parts``: the rows are that many
+    tensors concatenated (fused experts' gate and up), each with its own scale rows, so that a
+    part whose rows are not a multiple of ``b0`` keeps its partial edge block."""
+    if parts > 1:
+        return torch.cat([dequantize_fp8_block(w, s, block) for w, s in
+                          zip(weight.chunk(parts, dim=-2), scale_inv.chunk(parts, dim=-2))], dim=-2)
+    rows, cols = weight.shape[-2:]
+    scales = scale_inv.to(torch.float32).repeat_interleave(block[0], -2)[..., :rows, :]
+    scales = scales.repeat_interleave(block[1], -1)[..., :cols]
+    return weight.to(torch.float32) * scales

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from loaders.errors import CheckpointError
-from loaders.quantization.experts import quantize_fused_experts
+from loaders.quantization.experts import quantize_fp8_experts, quantize_fused_experts
 from loaders.quantization.formats import (COMPRESSED_FORMATS, MXFP4_EXPERTS, LinearFormat, QuantizationPlan,
-                                          enum_value, fp8_scale_shape)
+                                          dequantize_fp8_block, enum_value, fp8_scale_shape)
 from shard_engine.ops import define_op
 
 logger = logging.getLogger(__name__)
@@ -202,14 +202,6 @@ class QuantizedLinear(nn.Module):
         self._checked = True
 
 
-def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """An fp8 weight times its block scales, in float32, as transformers' FineGrainedFP8 dequantizes on
-    load: each block's e4m3 values widened to float32 and multiplied by that block's scale."""
-    rows, cols = weight.shape
-    scales = scale_inv.to(torch.float32).repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return weight.to(torch.float32) * scales
-
-
 def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """The ``bits``-wide unsigned codes of int32 words, the first code in the lowest bits (GPTQ's and
     AWQ's packing), unpacked along ``dim`` (0 or 1) of a 2-D tensor: [R, C] -> [R * 32/bits, C] or
@@ -265,17 +257,27 @@ def quantize_input(x: torch.Tensor, args) -> torch.Tensor:
 
 
 def quantize_skeleton(model: nn.Module, plan: QuantizationPlan, stored: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                      path: str | None = None) -> dict[str, int]:
+                      path: str | None = None, fused: dict[str, tuple[list[str], int]] | None = None
+                      ) -> tuple[dict[str, int], set[str]]:
     """Swap the linears of ``model`` (a meta skeleton) that the checkpoint stores quantized for
-    :class:`QuantizedLinear`. ``stored``: model-named checkpoint tensors -> (shape, dtype). Returns
-    {format description: layers}. A linear the plan quantizes whose tensors the checkpoint lacks
-    stays dense; a dense layer whose checkpoint weight has a quantized dtype is an error naming
-    ``path`` (the checkpoint) and the tensor."""
+    :class:`QuantizedLinear`, and its fused experts for their quantized forms
+    (:mod:`loaders.quantization.experts`). ``stored``: model-named checkpoint tensors -> (shape,
+    dtype); ``fused``: fused experts parameters made by a conversion -> (their sources' keys, the
+    parts concatenated along their rows). Returns ({format description: layers}, the checkpoint
+    keys of conversion sources the quantized experts take). A linear the plan quantizes whose
+    tensors the checkpoint lacks stays dense; a dense layer whose checkpoint weight has a
+    quantized dtype is an error naming ``path`` (the checkpoint) and the tensor."""
     counts: dict[str, int] = {}
+    taken: set[str] = set()
     if plan.method == "mxfp4":
         experts = quantize_fused_experts(model, stored, path=path)
         if experts:
             counts[MXFP4_EXPERTS] = experts
+    if plan.method == "fp8" and fused:
+        block = plan.formats[0][1].block
+        experts, taken = quantize_fp8_experts(model, fused, stored, block, path=path)
+        if experts:
+            counts[f"fp8 e4m3 experts, {block[0]}x{block[1]} blocks"] = experts
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
             continue
@@ -291,7 +293,7 @@ def quantize_skeleton(model: nn.Module, plan: QuantizationPlan, stored: dict[str
         dtypes = {n: stored[f"{name}.{n}"][1] for n in names}
         model.set_submodule(name, QuantizedLinear(module.in_features, module.out_features, fmt, dtypes, module.bias))
         counts[fmt.describe()] = counts.get(fmt.describe(), 0) + 1
-    return counts
+    return counts, taken
 
 
 QUANTIZED_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_packed", "weight_zero_point", "weight_shape",
@@ -300,23 +302,26 @@ QUANTIZED_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_packed", "weig
 
 
 def check_nothing_else_quantized(model: nn.Module, stored: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                                 path: str | None = None) -> None:
+                                 path: str | None = None, taken: set[str] = frozenset()) -> None:
     """Refuse, before reading, a checkpoint tensor stored quantized (by its dtype or its name) that no
-    QuantizedLinear of ``model`` takes: quantized MoE experts, say, whose fused tensors are not linears.
-    Read as a dense weight it would be cast without its scales."""
-    taken = {f"{fqn}.{n}" for fqn, m in model.named_modules() for n in getattr(m, "quantized_tensor_names", ())}
+    quantized module of ``model`` takes (``taken``: conversion sources the quantized experts take):
+    experts quantized in a format served for linears only, say. Read as a dense weight it would be
+    cast without its scales."""
+    taken = set(taken) | {f"{fqn}.{n}" for fqn, m in model.named_modules()
+                          for n in getattr(m, "quantized_tensor_names", ())}
     for name, (_, dtype) in stored.items():
         if name in taken:
             continue
         if dtype in QUANTIZED_DTYPES or name.rpartition(".")[2] in QUANTIZED_SUFFIXES:
-            raise CheckpointError(f"{name} is stored quantized ({dtype}) but belongs to no linear layer the server "
-                                  "dequantizes (quantized MoE experts and other non-Linear weights are not supported)",
+            raise CheckpointError(f"{name} is stored quantized ({dtype}) but belongs to no layer the server "
+                                  "dequantizes (of experts, MXFP4 and fp8 blocks are served; other non-Linear weights "
+                                  "are not)",
                                   path=path, tensor=name)
 
 
 def quantized_bytes(model: nn.Module) -> dict[str, int]:
     """This rank's bytes of quantized layers' tensors: ``weights`` (packed or fp8/int8 weights, MXFP4
-    blocks), ``scales`` (scales, zero points, GPTQ's ``g_idx``); counted from the local shards;
+    blocks, fp8 experts), ``scales`` (scales, zero points, GPTQ's ``g_idx``); counted from the local shards;
     ``layers``: quantized linears and experts modules."""
     from torch.distributed.tensor import DTensor
 
@@ -328,6 +333,7 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
         for name in module.row_sharded:
             p = getattr(module, name)
             local = p.to_local() if isinstance(p, DTensor) else p
-            key = "weights" if name in ("weight", "weight_packed", "qweight") or name.endswith("_blocks") else "scales"
+            key = "weights" if name in ("weight", "weight_packed", "qweight") or name.endswith(("_blocks", "_fp8")) \
+                else "scales"
             out[key] += local.numel() * local.element_size()
     return out
