@@ -72,14 +72,17 @@ def _config(family: str, vocab: int = 300):
                                               original_max_position_embeddings=ROPE_SWITCH, rope_parameters={
             "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": ROPE_SWITCH,
             "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
+        # ALiBi in the module's own attention code: served through an adapter (server.engine.alibi)
+        "bloom": lambda: T.BloomConfig(vocab_size=vocab, hidden_size=64, n_layer=2, n_head=4, bos_token_id=0,
+                                       eos_token_id=0, pad_token_id=0),
+        "mpt": lambda: T.MptConfig(vocab_size=vocab, d_model=64, n_layers=2, n_heads=4, max_seq_len=512,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0),
     }
     refused = {
         "jamba": lambda: T.JambaConfig(**common),
         "mamba": lambda: T.MambaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2),
         "lfm2": lambda: T.Lfm2Config(vocab_size=vocab, hidden_size=64, num_hidden_layers=2),
-        "bloom": lambda: T.BloomConfig(vocab_size=vocab, hidden_size=64, n_layer=2, n_head=4),
         "falcon": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
-        "mpt": lambda: T.MptConfig(vocab_size=vocab, d_model=64, n_layers=2, n_heads=4),
         "t5": lambda: T.T5Config(vocab_size=vocab, d_model=64),
         "gemma3_dynamic_rope_per_layer_type": lambda: T.Gemma3TextConfig(**common, head_dim=16, rope_parameters={
             "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
@@ -90,14 +93,12 @@ def _config(family: str, vocab: int = 300):
 
 SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "olmo2", "granite",
           "cohere", "gpt_neox", "gpt2", "gpt_oss", "qwen3_moe", "mixtral", "llama_dynamic_rope", "phi3_longrope",
-          "deepseek_v3", "deepseek_v2"]
+          "deepseek_v3", "deepseek_v2", "bloom", "mpt"]
 REFUSED = {
     "jamba": "recurrent or convolution state",
     "mamba": "recurrent or convolution state",
     "lfm2": "recurrent or convolution state",
-    "bloom": "attention interface",
     "falcon": "attention interface",
-    "mpt": "attention interface",
     "t5": "encoder-decoder",
     "gemma3_dynamic_rope_per_layer_type": "rope_type 'dynamic' for one layer type of several",
 }
@@ -161,14 +162,56 @@ def test_engine_matches_generate(family):
     assert [o["tokens"] for o in outs] == expected
 
 
-def _sharp(model):
+def _sharp(model, projections=("q_proj", "k_proj", "qkv_proj"), factor=12.0):
     """``model`` with its query and key projections scaled up: a random model's attention is nearly
     uniform, so its tokens hardly depend on the rope; sharpened, they do."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if any(f"{proj}." in name for proj in ("q_proj", "k_proj", "qkv_proj")):
-                p.mul_(12.0)
+            if any(f"{proj}." in name for proj in projections):
+                p.mul_(factor)
     return model
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
+def test_alibi_is_each_sequences_own(family, monkeypatch):
+    """Bloom's and MPT's ALiBi through their adapters (server.engine.alibi): prompts of several
+    lengths chunked (8 tokens a step) and packed together, one preempted and recomputed (a small
+    pool), a prefix cache hit; greedy tokens equal transformers' eager generate of each prompt
+    alone. The model's attention projections are scaled up so that its tokens depend on the
+    attention (and so on the slopes): with the slopes zeroed the tokens differ."""
+    from transformers import AutoModelForCausalLM
+
+    import server.engine.alibi as alibi
+    from tests.test_engine import Harness
+
+    torch.manual_seed(0)
+    config = _config(family)
+    model = _sharp(AutoModelForCausalLM.from_config(config), ("query_key_value", "dense", "Wqkv", "out_proj"),
+                   8.0).eval()
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    reference.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (9, 30, 13, 40)]
+    prompts.append(prompts[1] + prompts[2])  # starts with a prompt computed before it: a prefix hit
+    expected = _reference_tokens(reference, prompts, 12)
+
+    def served(blocks: int):
+        harness = Harness(model, blocks=blocks, block_size=4, prefill=8)
+        harness.scheduler.eos_token_ids = set()
+        outs = [harness.submit(p, 12) for p in prompts]
+        harness.run(lambda: all(o["finish"] is not None or o["error"] for o in outs))
+        assert [o["error"] for o in outs] == [None] * len(prompts)
+        return [o["tokens"] for o in outs], harness.scheduler.preemptions, harness.scheduler.pools[0].hits
+
+    tokens, _, hits = served(64)
+    assert tokens == expected and hits > 0
+    tokens, preemptions, _ = served(24)
+    assert preemptions > 0 and tokens == expected
+    slopes = alibi._slopes
+    monkeypatch.setattr(alibi, "_slopes", lambda module, make: slopes(module, make) * 0)
+    for module in model.modules():
+        module.__dict__.pop("_hsdp_alibi_slopes", None)
+    assert served(64)[0] != expected  # the test can tell
 
 
 @pytest.mark.parametrize("family, small_pool", [("llama_dynamic_rope", 26), ("phi3_longrope", 28)])
@@ -251,9 +294,10 @@ def _write(family: str, path) -> str:
 PROMPTS = ["Once upon a time there was a server that never hung, and it served every request",
            "The quick brown fox jumps over the lazy dog while the ranks gather their shards"]
 NEW_TOKENS = 10
-THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3"]
+THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3", "bloom"]
 """The families also served through HTTP: plain attention; soft-capping with alternating windows;
-experts; multi-head latent attention (its latents cached: /info says what a token costs). The server adds nothing per family (the same load, residency and engine as the 2-rank
+experts; multi-head latent attention (its latents cached: /info says what a token costs); ALiBi
+through an adapter (server.engine.alibi). The server adds nothing per family (the same load, residency and engine as the 2-rank
 test below), so the others are checked below the HTTP layer, in one process group."""
 
 
@@ -349,7 +393,8 @@ def test_server_on_two_ranks_matches_generate(family, tmp_path):
         assert info["kv_cache"]["layout"] == "latent" and info["kv_cache"]["bytes_per_token_per_layer"] == 96
     else:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        assert info["kv_cache"]["bytes_per_token_per_layer"] == 2 * config.num_key_value_heads * head_dim * 4
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # Bloom: all heads
+        assert info["kv_cache"]["bytes_per_token_per_layer"] == 2 * kv_heads * head_dim * 4
     checkpoint = _checkpoint_bytes(path)
     assert all(0 < read < 0.6 * checkpoint for read in reads), (reads, checkpoint)  # each rank its share
 

@@ -19,8 +19,9 @@ Each layer's own variant, read from what the model's attention module passes (as
 attention reads it): a sliding window (``sliding_window``: a query at position q sees keys at
 positions above q - window), logit soft-capping (``softcap``: scores become
 softcap * tanh(scores / softcap)), attention sinks (``s_aux``: one extra logit per head that takes
-probability mass and contributes no value), the module's own ``scaling``, and keys and values of
-different head dims (multi-head latent attention). Chunks that need soft-capping or sinks are
+probability mass and contributes no value), ALiBi (``alibi_slopes``: one slope per head, times the
+key's position, added to the scores; passed by the adapters of :mod:`server.engine.alibi`), the
+module's own ``scaling``, and keys and values of different head dims (multi-head latent attention). Chunks that need soft-capping or sinks are
 computed without SDPA, which has neither.
 
 Under a compiled layer's open graph (:func:`whole_step_op`) the whole of it is one opaque op,
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from server.engine.cores import follow_threads
-from server.engine.kernels import NO_SOFTCAP, NO_WINDOW, decode_one, paged_decode, probabilities
+from server.engine.kernels import NO_SOFTCAP, NO_WINDOW, alibi_bias, decode_one, paged_decode, probabilities
 from shard_engine.ops import define_op
 
 ATTN_IMPLEMENTATION = "hsdp_paged"
@@ -227,6 +228,9 @@ class PagedKVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions always come with the input
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, 0  # (a model that sizes a bias by it: its attention adapter ignores the bias)
+
 
 def _write_latent_step(layer, layout: PagedLayout, key_states, keys, value_dim: int):
     """An MLA layer's step ([1, 1, T, d]: latents and rope keys side by side) into its one pool;
@@ -254,13 +258,18 @@ def _write_step(layer, layout: PagedLayout, key_states, value_states, keys, valu
 
 def paged_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                     hsdp_paged: PagedLayout | None = None, sliding_window: int | None = None,
-                    softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
+                    softcap: float | None = None, s_aux: torch.Tensor | None = None,
+                    alibi_slopes: torch.Tensor | None = None, **kwargs):
     """An attention function for transformers' AttentionInterface: query [1, H, T, d]; key and
     value the layer's whole pool [Hkv, slots, d] (from :meth:`PagedKVCache.update`); returns
     ([1, T, H, dv], None) like transformers' SDPA. A multi-head latent attention module's query is
     absorbed into its latents' space first and its output projected back after
     (:mod:`server.engine.mla`)."""
     mla = getattr(module, "hsdp_mla", None)
+    if alibi_slopes is not None:
+        if hsdp_paged is None or mla is not None:
+            raise UnsupportedAttention(f"{type(module).__name__}: ALiBi is computed over the paged cache only")
+        kwargs["alibi_slopes"] = alibi_slopes
     if mla is None:
         return _paged_attention(module, query, key, value, attention_mask, dropout, scaling, hsdp_paged,
                                 sliding_window, softcap, s_aux, **kwargs)
@@ -273,7 +282,7 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
 
 
 def _paged_attention(module, query, key, value, attention_mask, dropout, scaling, hsdp_paged, sliding_window,
-                     softcap, s_aux, **kwargs):
+                     softcap, s_aux, alibi_slopes=None, **kwargs):
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise UnsupportedAttention(f"{type(module).__name__} asks for {name}={kwargs[name]!r}, which the paged "
@@ -296,9 +305,10 @@ def _paged_attention(module, query, key, value, attention_mask, dropout, scaling
     if _whole_step_op and torch.compiler.is_compiling():
         out_THd = paged_step(query[0], key, value, float(scale),
                              int(sliding_window) if sliding_window is not None else NO_WINDOW,
-                             float(softcap) if softcap is not None else NO_SOFTCAP, s_aux)
+                             float(softcap) if softcap is not None else NO_SOFTCAP, s_aux, alibi_slopes)
         return out_THd.unsqueeze(0), None
-    return _attend_step(hsdp_paged, query[0], key, value, scale, _Variant(sliding_window, softcap, s_aux)), None
+    return _attend_step(hsdp_paged, query[0], key, value, scale,
+                        _Variant(sliding_window, softcap, s_aux, alibi_slopes)), None
 
 
 def _attend_step(layout: PagedLayout, query_HTd, key_HNd, value_HNd, scale: float, variant: _Variant) -> torch.Tensor:
@@ -312,22 +322,23 @@ def _attend_step(layout: PagedLayout, query_HTd, key_HNd, value_HNd, scale: floa
 
 
 def _paged_step(query_HTd: torch.Tensor, key_HNd: torch.Tensor, value_HNd: torch.Tensor, scale: float, window: int,
-                softcap: float, sinks_H: torch.Tensor | None) -> torch.Tensor:
+                softcap: float, sinks_H: torch.Tensor | None, alibi_H: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.ops.hsdp.paged_step``: :func:`_attend_step` by the layout :func:`step_layout` set,
     [T, H, dv]; ``window`` / ``softcap`` :data:`NO_WINDOW` / :data:`NO_SOFTCAP` where the layer has none."""
     follow_threads()  # inside a compiled step: the plan's threads (server.engine.cores)
     if _step_layout is None:
         raise RuntimeError("hsdp::paged_step ran outside a step: no layout was set (step_layout)")
-    variant = _Variant(window if window != NO_WINDOW else None, softcap if softcap != NO_SOFTCAP else None, sinks_H)
+    variant = _Variant(window if window != NO_WINDOW else None, softcap if softcap != NO_SOFTCAP else None, sinks_H,
+                       alibi_H)
     return _attend_step(_step_layout, query_HTd, key_HNd, value_HNd, scale, variant)[0]
 
 
-def _paged_step_fake(query_HTd, key_HNd, value_HNd, scale, window, softcap, sinks_H):
+def _paged_step_fake(query_HTd, key_HNd, value_HNd, scale, window, softcap, sinks_H, alibi_H=None):
     return query_HTd.new_empty(query_HTd.shape[1], query_HTd.shape[0], value_HNd.shape[-1])
 
 
 paged_step = define_op("paged_step(Tensor query_HTd, Tensor key_HNd, Tensor value_HNd, float scale, int window, "
-                       "float softcap, Tensor? sinks_H) -> Tensor", _paged_step, _paged_step_fake)
+                       "float softcap, Tensor? sinks_H, Tensor? alibi_H=None) -> Tensor", _paged_step, _paged_step_fake)
 
 
 def _unpaged(module, query, key, value, attention_mask, *, softcap, s_aux, **kwargs):
@@ -350,12 +361,13 @@ def _unpaged(module, query, key, value, attention_mask, *, softcap, s_aux, **kwa
 class _Variant:
     """A layer's departures from plain causal attention."""
 
-    __slots__ = ("window", "softcap", "sinks_H")
+    __slots__ = ("window", "softcap", "sinks_H", "alibi_H")
 
-    def __init__(self, window, softcap, sinks_H):
+    def __init__(self, window, softcap, sinks_H, alibi_H=None):
         self.window = int(window) if window is not None else None
         self.softcap = float(softcap) if softcap is not None else None
         self.sinks_H = sinks_H
+        self.alibi_H = alibi_H
 
     def probabilities(self, scores, valid, sinks_shape: tuple[int, ...]) -> torch.Tensor:
         """:func:`server.engine.kernels.probabilities` with this layer's soft-cap and sinks."""
@@ -369,10 +381,10 @@ def _attend_decode(group: _DecodeGroup, query_HTd, key_HNd, value_HNd, scale: fl
     softcap = variant.softcap if variant.softcap is not None else NO_SOFTCAP
     if _one_decode_inline and torch.compiler.is_compiling() and _static_one(group.rows_S):
         out = decode_one(query_HSd, key_HNd, value_HNd, group.slots_SL, group.positions_L, group.contexts_S,
-                         float(scale), window, softcap, variant.sinks_H)
+                         float(scale), window, softcap, variant.sinks_H, variant.alibi_H)
     else:  # one opaque op (torch.compile does not trace into it: see server.engine.kernels)
         out = paged_decode(query_HSd, key_HNd, value_HNd, group.slots_SL, group.valid_SL, group.positions_L,
-                           group.contexts_S, float(scale), window, softcap, variant.sinks_H)
+                           group.contexts_S, float(scale), window, softcap, variant.sinks_H, variant.alibi_H)
     out_THd.index_copy_(0, group.rows_S, out)
 
 
@@ -388,7 +400,10 @@ def _attend_chunk(chunk: _Chunk, query_HTd, key_HNd, value_HNd, scale: float, va
     v = value_HNd.index_select(1, chunk.slots_L).unsqueeze(0)
     mask_QL = chunk.mask(variant.window)
     if variant.softcap is None and variant.sinks_H is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_QL, scale=scale,
+        mask = mask_QL
+        if variant.alibi_H is not None:  # [1, H, Q, L]: the slopes' bias, -inf outside the causal window
+            mask = alibi_bias(variant.alibi_H, chunk.k_pos, mask_QL[None, None], (1, -1, 1, 1), q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
     else:  # SDPA has neither soft-capping nor sinks: the eager computation, a block of queries at a time
         groups = q.shape[1] // k.shape[1]
@@ -398,6 +413,8 @@ def _attend_chunk(chunk: _Chunk, query_HTd, key_HNd, value_HNd, scale: float, va
         outs = []
         for a in range(0, q.shape[2], block):
             scores = torch.matmul(q[:, :, a:a + block], k.transpose(-1, -2)).float().mul_(scale)
+            if variant.alibi_H is not None:
+                scores = scores + alibi_bias(variant.alibi_H, chunk.k_pos, None, (1, -1, 1, 1), torch.float32)
             probs = variant.probabilities(scores, mask_QL[None, None, a:a + block], (1, -1, 1, 1))
             outs.append(torch.matmul(probs.to(v.dtype), v))
         out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]

@@ -15,7 +15,8 @@ tensor code, for two reasons:
 The implementation here is the engine's reference, in torch ops on any device: gather the
 sequences' keys and values by slot ([kv heads, sequences, longest context, dim]), two batched
 matmuls, a float32 softmax, with the layer's variant: a sliding window, logit soft-capping, sinks,
-its own scale, values of another head dim than keys. Eager and compiled forwards call the same op,
+ALiBi (a per-head slope times the key's position added to the scores), its own scale, values of
+another head dim than keys. Eager and compiled forwards call the same op,
 so they compute attention with the same code.
 
 On CPU the sequences are taken in groups of similar context (:func:`context_groups`), each
@@ -78,16 +79,29 @@ def context_groups(contexts: list[int]) -> list[list[int]] | None:
     return groups
 
 
+def alibi_bias(slopes_H: torch.Tensor, positions_L: torch.Tensor, valid, shape: tuple[int, ...],
+               dtype: torch.dtype) -> torch.Tensor:
+    """ALiBi as an additive mask: each head's slope (viewed as ``shape``, broadcast over the keys)
+    times each key's position in its sequence, ``-inf`` where ``valid`` (broadcastable; None: every
+    key) is False. Bloom's and MPT's biases differ from this by a constant per query row (the
+    query's or the context's last position), which the softmax cancels."""
+    bias = slopes_H.float().view(shape) * positions_L.float()
+    if valid is not None:
+        bias = bias.masked_fill(~valid, float("-inf"))
+    return bias.to(dtype)
+
+
 def _paged_decode(query_HSd: torch.Tensor, key_HNd: torch.Tensor, value_HNd: torch.Tensor, slots_SL: torch.Tensor,
                   valid_SL: torch.Tensor, positions_L: torch.Tensor, contexts_S: torch.Tensor, scale: float,
-                  window: int, softcap: float, sinks_H: torch.Tensor | None) -> torch.Tensor:
+                  window: int, softcap: float, sinks_H: torch.Tensor | None,
+                  alibi_H: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention: ``query_HSd`` [heads, sequences, d], one query per sequence at position
     context - 1; ``key_HNd``/``value_HNd`` a layer's whole pool [kv heads, slots, d / dv];
     ``slots_SL`` [S, L] the slots of each sequence's positions 0..L-1 (L its longest context),
     ``valid_SL`` which of them it has, ``positions_L`` = arange(L), ``contexts_S`` each one's
     context; ``window`` / ``softcap`` :data:`NO_WINDOW` / :data:`NO_SOFTCAP` where the layer has
-    none; ``sinks_H`` one logit per head or None. Returns [S, heads, dv]; on CPU computed in
-    :func:`context_groups`' groups."""
+    none; ``sinks_H`` one logit per head or None; ``alibi_H`` one ALiBi slope per head or None.
+    Returns [S, heads, dv]; on CPU computed in :func:`context_groups`' groups."""
     follow_threads()  # inside a compiled step: the plan's threads (server.engine.cores)
     on_cpu = contexts_S.device.type == "cpu"
     contexts = contexts_S.tolist() if on_cpu and len(contexts_S) > 1 else None
@@ -96,7 +110,7 @@ def _paged_decode(query_HSd: torch.Tensor, key_HNd: torch.Tensor, value_HNd: tor
         # one sequence, or all of one context, has every slot valid: no mask to build or apply
         full = on_cpu and (contexts is None or min(contexts) == max(contexts))
         return _attend(query_HSd, key_HNd, value_HNd, slots_SL, None if full else valid_SL, positions_L, contexts_S,
-                       scale, window, softcap, sinks_H)
+                       scale, window, softcap, sinks_H, alibi_H)
     out = query_HSd.new_empty(query_HSd.shape[1], query_HSd.shape[0], value_HNd.shape[-1])
     for rows in groups:
         longest = contexts[rows[-1]]
@@ -104,12 +118,13 @@ def _paged_decode(query_HSd: torch.Tensor, key_HNd: torch.Tensor, value_HNd: tor
         valid = None if contexts[rows[0]] == longest else valid_SL.index_select(0, index)[:, :longest]
         out[index] = _attend(query_HSd.index_select(1, index), key_HNd, value_HNd,
                              slots_SL.index_select(0, index)[:, :longest], valid,
-                             positions_L[:longest], contexts_S.index_select(0, index), scale, window, softcap, sinks_H)
+                             positions_L[:longest], contexts_S.index_select(0, index), scale, window, softcap, sinks_H,
+                             alibi_H)
     return out
 
 
 def _attend(query_HSd, key_HNd, value_HNd, slots_SL, valid_SL, positions_L, contexts_S, scale: float, window: int,
-            softcap: float, sinks_H) -> torch.Tensor:
+            softcap: float, sinks_H, alibi_H=None) -> torch.Tensor:
     """:func:`_paged_decode` over one group: every sequence gathered to the group's longest context;
     ``valid_SL`` None where every sequence has all of it."""
     heads, num_seqs, dim = query_HSd.shape
@@ -126,9 +141,13 @@ def _attend(query_HSd, key_HNd, value_HNd, slots_SL, valid_SL, positions_L, cont
     if softcap == NO_SOFTCAP and sinks_H is None:
         # one fused kernel (the prompt chunks' too) in place of seven ops: the host time of a decode step
         mask = None if valid is None else valid[None, :, None, :]
+        if alibi_H is not None:  # the slopes' bias in the mask (SDPA adds a float mask to the scaled scores)
+            mask = alibi_bias(alibi_H, positions_L, mask, (kv_heads, 1, groups, 1), q.dtype)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:  # soft-capping or sinks, which SDPA lacks: the models' eager arithmetic
         scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [Hkv, S, G, L]
+        if alibi_H is not None:
+            scores = scores + alibi_bias(alibi_H, positions_L, None, (kv_heads, 1, groups, 1), torch.float32)
         if valid is None:
             valid = torch.ones_like(slots_SL, dtype=torch.bool)
         probs = probabilities(scores, valid[None, :, None, :], softcap if softcap != NO_SOFTCAP else None, sinks_H,
@@ -139,21 +158,22 @@ def _attend(query_HSd, key_HNd, value_HNd, slots_SL, valid_SL, positions_L, cont
 
 
 def decode_one(query_HSd, key_HNd, value_HNd, slots_SL, positions_L, contexts_S, scale: float, window: int,
-               softcap: float, sinks_H) -> torch.Tensor:
+               softcap: float, sinks_H, alibi_H=None) -> torch.Tensor:
     """:func:`_paged_decode` of one sequence (``slots_SL`` [1, its context]: every slot valid) in
     plain torch ops, for a compiled graph of one sequence to trace (``server.engine.attention``:
     its gather and attention then run in the graph's code, not through the op's Python)."""
     return _attend(query_HSd, key_HNd, value_HNd, slots_SL, None, positions_L, contexts_S, scale, window, softcap,
-                   sinks_H)
+                   sinks_H, alibi_H)
 
 
 def _paged_decode_fake(query_HSd, key_HNd, value_HNd, slots_SL, valid_SL, positions_L, contexts_S, scale, window,
-                       softcap, sinks_H):
+                       softcap, sinks_H, alibi_H=None):
     heads, num_seqs, _ = query_HSd.shape
     return query_HSd.new_empty(num_seqs, heads, value_HNd.shape[-1])
 
 
 paged_decode = define_op(
     "paged_decode(Tensor query_HSd, Tensor key_HNd, Tensor value_HNd, Tensor slots_SL, Tensor valid_SL, "
-    "Tensor positions_L, Tensor contexts_S, float scale, int window, float softcap, Tensor? sinks_H) -> Tensor",
+    "Tensor positions_L, Tensor contexts_S, float scale, int window, float softcap, Tensor? sinks_H, "
+    "Tensor? alibi_H=None) -> Tensor",
     _paged_decode, _paged_decode_fake)

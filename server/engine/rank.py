@@ -23,6 +23,7 @@ from torch import nn
 
 from server.engine.attention import PagedKVCache, PagedLayout, use_paged_attention
 from server.engine.plan import PromptLogprobs, SequenceAdd, StepPlan, StepResult, TokenResult, Work
+from server.engine.alibi import install as install_alibi
 from server.engine.mla import install as install_mla, is_mla, latent_geometry
 from server.engine.rope import install as install_rope, sequence_lengths, token_lengths
 from server.engine.sampling import BatchSampler, Row, RowMasks
@@ -137,6 +138,7 @@ class RankEngine:
                                   values_in_keys=geometry.values_in_keys)
         use_paged_attention(model)
         install_mla(model)  # multi-head latent attention over cached latents, where the model has it
+        install_alibi(model)  # Bloom's and MPT's own attention code: adapters onto the paged attention
         self.sampler = BatchSampler()
         self.sequences: dict[int, _Sequence] = {}
         self.sequences_started = 0

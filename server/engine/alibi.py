@@ -1,0 +1,150 @@
+"""ALiBi families (Bloom, MPT) over the paged cache: a thin adapter per family's attention module.
+
+Bloom's and MPT's attention modules compute their own attention (transformers' attention
+interface never sees them): each builds an ALiBi bias for the whole batch, adds it to its scores
+and applies a causal mask made for one padded batch. Packed sequences of different lengths in
+one row, over a paged cache, need neither: :func:`install` swaps each such module's class for a
+subclass whose forward, when the engine's :class:`~server.engine.attention.PagedKVCache` comes with
+a step's layout, runs the module's own projections (Bloom's fused ``query_key_value`` and its
+head split, MPT's ``Wqkv`` with its ``clip_qkv``), writes the keys and values through the cache,
+and calls the engine's attention (``attention.paged_attention``) with the module's scale and one
+ALiBi slope per head, which the engine adds to each score as slope x the key's position in its
+own sequence; the output projection (and Bloom's residual add) follow as in the module. The slopes
+are the family's own functions' (Bloom's ``_get_alibi_slopes``; MPT's ``build_mpt_alibi_tensor``
+with its ``alibi_bias_max``). Bloom's bias is slope x key position; MPT's is slope x (key position
+- last position): they differ from the engine's by a constant per query, which the softmax
+cancels, so the output equals the module's up to float rounding.
+
+Without a layout (an idle rank's forward, a plain ``generate``) the module's own forward runs.
+MPT's model forward casts its causal mask to bool, and transformers makes no mask for an attention
+implementation it does not know (``hsdp_paged``): the adapter wraps ``create_causal_mask`` in MPT's
+modeling module to give a placeholder the adapted attention never reads, where the cache is the
+engine's (every other call is transformers' own).
+
+Contract: :func:`install` returns the modules adapted; :data:`ADAPTED_MODEL_TYPES` names the
+families (``server.engine.capability`` serves them although their attention bypasses the
+interface). Falcon (ALiBi or rope, own attention code) has no adapter yet.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from server.engine.attention import PagedKVCache, paged_attention
+
+ADAPTED_MODEL_TYPES = frozenset({"bloom", "mpt"})
+"""Model types whose attention modules :func:`install` adapts to the paged engine."""
+
+
+def _paged(cache) -> bool:
+    return isinstance(cache, PagedKVCache) and cache.layout is not None
+
+
+def _slopes(module: nn.Module, make) -> torch.Tensor:
+    """The module's ALiBi slopes [heads] (float32), made once per device."""
+    slopes = getattr(module, "_hsdp_alibi_slopes", None)
+    if slopes is None:
+        slopes = module._hsdp_alibi_slopes = make()
+    return slopes
+
+
+class _PagedBloomAttention:
+    """Bloom's attention over the paged cache (mixed into ``BloomAttention`` by :func:`install`)."""
+
+    def forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        cache = layer_past if layer_past is not None else kwargs.get("cache")
+        if not _paged(cache):
+            return super().forward(hidden_states, residual, alibi, attention_mask, layer_past=layer_past,
+                                   use_cache=use_cache, output_attentions=output_attentions, **kwargs)
+        bloom = sys.modules[type(self).__bases__[1].__module__]
+        batch, length, _ = hidden_states.shape
+        query, key, value = self._reshape(self.query_key_value(hidden_states))  # [1, heads, T, d] each
+        key, value = cache.update(key, value, self.layer_idx)
+        slopes = _slopes(self, lambda: bloom._get_alibi_slopes(self.num_heads, hidden_states.device))
+        out, _ = paged_attention(self, query, key, value, None, scaling=self.inv_norm_factor,
+                                 hsdp_paged=cache.layout, alibi_slopes=slopes)
+        output = self.dense(out.reshape(batch, length, self.num_heads * self.head_dim))
+        return bloom.dropout_add(output, residual, self.hidden_dropout, self.training), None
+
+
+class _PagedMptAttention:
+    """MPT's attention over the paged cache (mixed into ``MptAttention`` by :func:`install`)."""
+
+    def forward(self, hidden_states, position_bias, cache=None, attention_mask=None, **kwargs):
+        if not _paged(cache):
+            return super().forward(hidden_states, position_bias, cache=cache, attention_mask=attention_mask, **kwargs)
+        mpt = sys.modules[type(self).__bases__[1].__module__]
+        batch, length, _ = hidden_states.shape
+        mixed = self.Wqkv(hidden_states)
+        if self.clip_qkv:
+            mixed = mixed.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+        query, key, value = (t.reshape(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+                             for t in mixed.chunk(3, dim=2))
+        key, value = cache.update(key, value, self.layer_idx)
+
+        def make() -> torch.Tensor:  # bias of a 2-token context: [heads, 1, 2] = (-slope, 0)
+            bias = mpt.build_mpt_alibi_tensor(self.n_heads, 2, self.hsdp_alibi_bias_max, device=hidden_states.device)
+            return -bias[:, 0, 0].float()
+
+        out, _ = paged_attention(self, query, key, value, None, scaling=self.softmax_scale, hsdp_paged=cache.layout,
+                                 alibi_slopes=_slopes(self, make))
+        return self.out_proj(out.reshape(batch, length, self.n_heads * self.head_dim)), None
+
+
+def _placeholder_mask_for_paged(create_causal_mask):
+    """``create_causal_mask`` that, for the engine's cache, returns a 0-dim placeholder (MPT's model
+    forward calls ``.to(torch.bool)`` on the mask; the adapted attention ignores it)."""
+    if getattr(create_causal_mask, "hsdp_wrapped", False):
+        return create_causal_mask
+
+    def wrapped(*args, **kwargs):
+        if isinstance(kwargs.get("cache", kwargs.get("past_key_values")), PagedKVCache):
+            return torch.ones((), dtype=torch.bool)
+        return create_causal_mask(*args, **kwargs)
+
+    wrapped.hsdp_wrapped = True
+    return wrapped
+
+
+_ADAPTERS = {"BloomAttention": _PagedBloomAttention, "MptAttention": _PagedMptAttention}
+_CLASSES: dict[type, type] = {}
+
+
+def _adapted_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        name = f"Paged{cls.__name__}"
+        subclass = type(name, (_ADAPTERS[cls.__name__], cls), {"__module__": __name__})
+        globals()[name] = subclass  # importable by name (pickle)
+        _CLASSES[cls] = subclass
+    return _CLASSES[cls]
+
+
+def adapted(model: nn.Module) -> bool:
+    """Whether :func:`install` adapted any module of ``model``."""
+    return any(type(m) in _CLASSES.values() for m in model.modules())
+
+
+def install(model: nn.Module) -> int:
+    """Adapt every Bloom or MPT attention module of ``model`` to the paged engine (the module
+    docstring); returns how many. Raises ValueError for a layout the adapter does not compute
+    (Bloom's ``pretraining_tp`` > 1 with ``slow_but_exact``: its output projection in slices)."""
+    count = 0
+    config = model.config.get_text_config()
+    for module in model.modules():
+        cls = type(module)
+        if cls.__name__ not in _ADAPTERS or cls in _CLASSES.values():
+            continue
+        if cls.__name__ == "BloomAttention" and module.pretraining_tp > 1 and module.slow_but_exact:
+            raise ValueError("Bloom with pretraining_tp > 1 and slow_but_exact computes its output projection in "
+                             "slices, which the paged adapter does not")
+        if cls.__name__ == "MptAttention":
+            module.hsdp_alibi_bias_max = config.attn_config.alibi_bias_max
+            mpt = sys.modules[cls.__module__]
+            mpt.create_causal_mask = _placeholder_mask_for_paged(mpt.create_causal_mask)
+        module.__class__ = _adapted_class(cls)
+        count += 1
+    return count
