@@ -72,17 +72,25 @@ def _config(family: str, vocab: int = 300):
                                               original_max_position_embeddings=ROPE_SWITCH, rope_parameters={
             "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": ROPE_SWITCH,
             "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
-        # ALiBi in the module's own attention code: served through an adapter (server.engine.alibi)
+        # ALiBi in the module's own attention code: served through an adapter (server.engine.adapters)
         "bloom": lambda: T.BloomConfig(vocab_size=vocab, hidden_size=64, n_layer=2, n_head=4, bos_token_id=0,
                                        eos_token_id=0, pad_token_id=0),
         "mpt": lambda: T.MptConfig(vocab_size=vocab, d_model=64, n_layers=2, n_heads=4, max_seq_len=512,
                                    bos_token_id=0, eos_token_id=0, pad_token_id=0),
+        # Falcon's own rope attention through an adapter: multi-query (7B), and the new decoder architecture's
+        # grouped keys (40B, 180B)
+        "falcon": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         bos_token_id=0, eos_token_id=0, pad_token_id=0),
+        "falcon_40b": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                                             bos_token_id=0, eos_token_id=0, pad_token_id=0),
     }
     refused = {
         "jamba": lambda: T.JambaConfig(**common),
         "mamba": lambda: T.MambaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2),
         "lfm2": lambda: T.Lfm2Config(vocab_size=vocab, hidden_size=64, num_hidden_layers=2),
-        "falcon": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
+        "falcon_rw": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, alibi=True, multi_query=False),
         "t5": lambda: T.T5Config(vocab_size=vocab, d_model=64),
         "gemma3_dynamic_rope_per_layer_type": lambda: T.Gemma3TextConfig(**common, head_dim=16, rope_parameters={
             "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
@@ -93,12 +101,12 @@ def _config(family: str, vocab: int = 300):
 
 SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "olmo2", "granite",
           "cohere", "gpt_neox", "gpt2", "gpt_oss", "qwen3_moe", "mixtral", "llama_dynamic_rope", "phi3_longrope",
-          "deepseek_v3", "deepseek_v2", "bloom", "mpt"]
+          "deepseek_v3", "deepseek_v2", "bloom", "mpt", "falcon", "falcon_40b"]
 REFUSED = {
     "jamba": "recurrent or convolution state",
     "mamba": "recurrent or convolution state",
     "lfm2": "recurrent or convolution state",
-    "falcon": "attention interface",
+    "falcon_rw": "rounds its bias to bf16",
     "t5": "encoder-decoder",
     "gemma3_dynamic_rope_per_layer_type": "rope_type 'dynamic' for one layer type of several",
 }
@@ -172,16 +180,31 @@ def _sharp(model, projections=("q_proj", "k_proj", "qkv_proj"), factor=12.0):
     return model
 
 
-@pytest.mark.parametrize("family", ["bloom", "mpt"])
-def test_alibi_is_each_sequences_own(family, monkeypatch):
-    """Bloom's and MPT's ALiBi through their adapters (server.engine.alibi): prompts of several
-    lengths chunked (8 tokens a step) and packed together, one preempted and recomputed (a small
-    pool), a prefix cache hit; greedy tokens equal transformers' eager generate of each prompt
-    alone. The model's attention projections are scaled up so that its tokens depend on the
-    attention (and so on the slopes): with the slopes zeroed the tokens differ."""
+def _zero_slopes(monkeypatch, model):
+    import server.engine.adapters as adapters
+
+    slopes = adapters._slopes
+    monkeypatch.setattr(adapters, "_slopes", lambda module, make: slopes(module, make) * 0)
+    for module in model.modules():
+        module.__dict__.pop("_hsdp_alibi_slopes", None)
+
+
+def _no_rope(monkeypatch, model):
+    import transformers.models.falcon.modeling_falcon as falcon
+
+    monkeypatch.setattr(falcon, "apply_rotary_pos_emb", lambda q, k, cos, sin: (q, k))
+
+
+@pytest.mark.parametrize("family, without", [("bloom", _zero_slopes), ("mpt", _zero_slopes), ("falcon", _no_rope),
+                                             ("falcon_40b", _no_rope)])
+def test_adapted_attention_is_each_sequences_own(family, without, monkeypatch):
+    """Bloom's and MPT's ALiBi and Falcon's rope through their adapters (server.engine.adapters):
+    prompts of several lengths chunked (8 tokens a step) and packed together, one preempted and
+    recomputed (a small pool), a prefix hit; greedy tokens equal transformers' eager generate of
+    each prompt alone. The model's attention projections are scaled up so that its tokens depend
+    on the attention: with the slopes zeroed, or Falcon's rope skipped, the tokens differ."""
     from transformers import AutoModelForCausalLM
 
-    import server.engine.alibi as alibi
     from tests.test_engine import Harness
 
     torch.manual_seed(0)
@@ -207,10 +230,7 @@ def test_alibi_is_each_sequences_own(family, monkeypatch):
     assert tokens == expected and hits > 0
     tokens, preemptions, _ = served(24)
     assert preemptions > 0 and tokens == expected
-    slopes = alibi._slopes
-    monkeypatch.setattr(alibi, "_slopes", lambda module, make: slopes(module, make) * 0)
-    for module in model.modules():
-        module.__dict__.pop("_hsdp_alibi_slopes", None)
+    without(monkeypatch, model)
     assert served(64)[0] != expected  # the test can tell
 
 
@@ -297,7 +317,7 @@ NEW_TOKENS = 10
 THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3", "bloom"]
 """The families also served through HTTP: plain attention; soft-capping with alternating windows;
 experts; multi-head latent attention (its latents cached: /info says what a token costs); ALiBi
-through an adapter (server.engine.alibi). The server adds nothing per family (the same load, residency and engine as the 2-rank
+through an adapter (server.engine.adapters). The server adds nothing per family (the same load, residency and engine as the 2-rank
 test below), so the others are checked below the HTTP layer, in one process group."""
 
 

@@ -20,7 +20,7 @@ attention reads it): a sliding window (``sliding_window``: a query at position q
 positions above q - window), logit soft-capping (``softcap``: scores become
 softcap * tanh(scores / softcap)), attention sinks (``s_aux``: one extra logit per head that takes
 probability mass and contributes no value), ALiBi (``alibi_slopes``: one slope per head, times the
-key's position, added to the scores; passed by the adapters of :mod:`server.engine.alibi`), the
+key's position, added to the scores; passed by the adapters of :mod:`server.engine.adapters`), the
 module's own ``scaling``, and keys and values of different head dims (multi-head latent attention). Chunks that need soft-capping or sinks are
 computed without SDPA, which has neither.
 

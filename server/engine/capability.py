@@ -4,9 +4,9 @@ The engine computes attention itself, per sequence, over its paged cache (``atte
 packs the tokens of many sequences into one row. A model is served only if both hold for it:
 
 * its attention goes through transformers' attention interface (``_supports_attention_backend``),
-  where the engine's function is plugged in, or through an adapter of ``server.engine.alibi``
-  (Bloom, MPT: ALiBi built inside the module); other models with their own attention code
-  (Falcon) would bypass the cache;
+  where the engine's function is plugged in, or through an adapter of ``server.engine.adapters``
+  (Bloom, MPT: ALiBi built inside the module; Falcon's rope layouts); other models with their own
+  attention code would bypass the cache;
 * nothing in a sequence's computation depends on the others packed beside it: no recurrent or
   convolution state carried across the row (state-space and hybrid models); rope factors that
   transformers takes from the longest position in the batch (dynamic NTK, longrope) are chosen
@@ -76,7 +76,10 @@ def check_servable(config, model_class=None) -> None:
             raise UnsupportedModelError(
                 architecture, f"rope_type {rope_type!r} for one layer type of several takes its factors from the "
                 "longest position in the batch; the engine chooses them per sequence only for a model's one rope")
-    from server.engine.alibi import ADAPTED_MODEL_TYPES
+    from server.engine.adapters import ADAPTED_MODEL_TYPES, falcon_alibi_refusal
+
+    if model_type == "falcon" and getattr(text, "alibi", False):
+        raise UnsupportedModelError(architecture, falcon_alibi_refusal())
 
     if not getattr(model_class, "_supports_attention_backend", False) and model_type not in ADAPTED_MODEL_TYPES:
         raise UnsupportedModelError(

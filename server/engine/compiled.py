@@ -412,13 +412,13 @@ class CompiledDecode:
     :class:`server.config.CompileSizes`."""
 
     def __init__(self, model: nn.Module, sizes, region: str = "layer", graph_dir: str | None = None):
-        from server.engine.alibi import adapted
+        from server.engine.adapters import adapted
         from shard_engine.direct import DirectForward
 
         if adapted(model):
-            raise CompileUnavailable("--compile decode: the model's attention runs through an ALiBi adapter "
-                                     "(server.engine.alibi: Bloom, MPT), which is not compiled; serve it without "
-                                     "--compile")
+            raise CompileUnavailable("--compile decode: the model's attention runs through an adapter "
+                                     "(server.engine.adapters: Bloom, MPT, Falcon), which is not compiled; serve it "
+                                     "without --compile")
         try:
             self._direct = DirectForward(model)
         except ValueError as e:

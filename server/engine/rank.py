@@ -23,7 +23,7 @@ from torch import nn
 
 from server.engine.attention import PagedKVCache, PagedLayout, use_paged_attention
 from server.engine.plan import PromptLogprobs, SequenceAdd, StepPlan, StepResult, TokenResult, Work
-from server.engine.alibi import install as install_alibi
+from server.engine.adapters import install as install_adapters, kv_heads as adapted_kv_heads
 from server.engine.mla import install as install_mla, is_mla, latent_geometry
 from server.engine.rope import install as install_rope, sequence_lengths, token_lengths
 from server.engine.sampling import BatchSampler, Row, RowMasks
@@ -71,7 +71,7 @@ class KVGeometry:
                        value_dim=value_dim, values_in_keys=True)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        kv_heads = adapted_kv_heads(config) or getattr(config, "num_key_value_heads", None) or heads
         return cls(num_layers=config.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
 
 
@@ -138,7 +138,7 @@ class RankEngine:
                                   values_in_keys=geometry.values_in_keys)
         use_paged_attention(model)
         install_mla(model)  # multi-head latent attention over cached latents, where the model has it
-        install_alibi(model)  # Bloom's and MPT's own attention code: adapters onto the paged attention
+        install_adapters(model)  # Bloom's, MPT's and Falcon's own attention code: adapters onto the paged attention
         self.sampler = BatchSampler()
         self.sequences: dict[int, _Sequence] = {}
         self.sequences_started = 0

@@ -1,8 +1,9 @@
-"""ALiBi families (Bloom, MPT) over the paged cache: a thin adapter per family's attention module.
+"""Families with their own attention code (Bloom, MPT, Falcon) over the paged cache: a thin adapter per family.
 
-Bloom's and MPT's attention modules compute their own attention (transformers' attention
-interface never sees them): each builds an ALiBi bias for the whole batch, adds it to its scores
-and applies a causal mask made for one padded batch. Packed sequences of different lengths in
+Bloom's, MPT's and Falcon's attention modules compute their own attention (transformers'
+attention interface never sees them): Bloom and MPT build an ALiBi bias for the whole batch, add
+it to their scores and apply a causal mask made for one padded batch; Falcon applies its rope and
+calls SDPA itself. Packed sequences of different lengths in
 one row, over a paged cache, need neither: :func:`install` swaps each such module's class for a
 subclass whose forward, when the engine's :class:`~server.engine.attention.PagedKVCache` comes with
 a step's layout, runs the module's own projections (Bloom's fused ``query_key_value`` and its
@@ -15,6 +16,13 @@ with its ``alibi_bias_max``). Bloom's bias is slope x key position; MPT's is slo
 - last position): they differ from the engine's by a constant per query, which the softmax
 cancels, so the output equals the module's up to float rounding.
 
+Falcon's adapter (its rope layouts: Falcon-7B/40B/180B) runs the module's fused projection and
+head split, un-broadcasts the new architecture's keys and values to its ``num_kv_heads`` (the
+module broadcasts them to every query head; the cache holds each once), applies the module's rope
+with the model's cos and sin at each token's own position, and attends with scale
+1/sqrt(head_dim). Falcon's ALiBi layout (``alibi: true``, Falcon-RW) is refused: it rounds its
+bias to bf16 (``slopes.bfloat16() * positions``), which a float32 bias does not reproduce.
+
 Without a layout (an idle rank's forward, a plain ``generate``) the module's own forward runs.
 MPT's model forward casts its causal mask to bool, and transformers makes no mask for an attention
 implementation it does not know (``hsdp_paged``): the adapter wraps ``create_causal_mask`` in MPT's
@@ -23,7 +31,7 @@ engine's (every other call is transformers' own).
 
 Contract: :func:`install` returns the modules adapted; :data:`ADAPTED_MODEL_TYPES` names the
 families (``server.engine.capability`` serves them although their attention bypasses the
-interface). Falcon (ALiBi or rope, own attention code) has no adapter yet.
+interface); :func:`kv_heads` the key/value heads an adapted family's cache holds.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from torch import nn
 
 from server.engine.attention import PagedKVCache, paged_attention
 
-ADAPTED_MODEL_TYPES = frozenset({"bloom", "mpt"})
+ADAPTED_MODEL_TYPES = frozenset({"bloom", "mpt", "falcon"})
 """Model types whose attention modules :func:`install` adapts to the paged engine."""
 
 
@@ -110,7 +118,42 @@ def _placeholder_mask_for_paged(create_causal_mask):
     return wrapped
 
 
-_ADAPTERS = {"BloomAttention": _PagedBloomAttention, "MptAttention": _PagedMptAttention}
+class _PagedFalconAttention:
+    """Falcon's rope attention over the paged cache (mixed into ``FalconAttention`` by :func:`install`)."""
+
+    def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None, use_cache=False,
+                output_attentions=False, position_embeddings=None, **kwargs):
+        if not _paged(layer_past):
+            return super().forward(hidden_states, alibi, attention_mask, position_ids=position_ids,
+                                   layer_past=layer_past, use_cache=use_cache, output_attentions=output_attentions,
+                                   position_embeddings=position_embeddings, **kwargs)
+        falcon = sys.modules[type(self).__bases__[1].__module__]
+        batch, length, _ = hidden_states.shape
+        query, key, value = self._split_heads(self.query_key_value(hidden_states))  # [B, T, heads, d]
+        if self.new_decoder_architecture:  # the module broadcast each kv head to its group of query heads
+            groups = self.num_heads // self.num_kv_heads
+            key, value = (t.unflatten(2, (self.num_kv_heads, groups))[:, :, :, 0] for t in (key, value))
+        query, key, value = (t.transpose(1, 2) for t in (query, key, value))
+        cos, sin = position_embeddings
+        query, key = falcon.apply_rotary_pos_emb(query, key, cos, sin)
+        key, value = layer_past.update(key, value, self.layer_idx)
+        out, _ = paged_attention(self, query, key, value, None, scaling=self.head_dim ** -0.5,
+                                 hsdp_paged=layer_past.layout)
+        return self.dense(out.reshape(batch, length, self.num_heads * self.head_dim)), None
+
+
+def kv_heads(config) -> int | None:
+    """The key/value heads a layer of an adapted family caches (None: not adapted; the config's own
+    ``num_key_value_heads`` then)."""
+    if config.model_type != "falcon":
+        return None
+    if config.new_decoder_architecture:
+        return config.num_kv_heads
+    return 1 if config.multi_query else config.num_attention_heads
+
+
+_ADAPTERS = {"BloomAttention": _PagedBloomAttention, "MptAttention": _PagedMptAttention,
+             "FalconAttention": _PagedFalconAttention}
 _CLASSES: dict[type, type] = {}
 
 
@@ -123,15 +166,21 @@ def _adapted_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
+def falcon_alibi_refusal() -> str:
+    return ("Falcon's ALiBi layout (alibi: true) rounds its bias to bf16, which the engine's float32 bias does "
+            "not reproduce; its rope layouts are served")
+
+
 def adapted(model: nn.Module) -> bool:
     """Whether :func:`install` adapted any module of ``model``."""
     return any(type(m) in _CLASSES.values() for m in model.modules())
 
 
 def install(model: nn.Module) -> int:
-    """Adapt every Bloom or MPT attention module of ``model`` to the paged engine (the module
+    """Adapt every Bloom, MPT or Falcon attention module of ``model`` to the paged engine (the module
     docstring); returns how many. Raises ValueError for a layout the adapter does not compute
-    (Bloom's ``pretraining_tp`` > 1 with ``slow_but_exact``: its output projection in slices)."""
+    (Bloom's ``pretraining_tp`` > 1 with ``slow_but_exact``: its output projection in slices;
+    Falcon's ALiBi)."""
     count = 0
     config = model.config.get_text_config()
     for module in model.modules():
@@ -141,6 +190,8 @@ def install(model: nn.Module) -> int:
         if cls.__name__ == "BloomAttention" and module.pretraining_tp > 1 and module.slow_but_exact:
             raise ValueError("Bloom with pretraining_tp > 1 and slow_but_exact computes its output projection in "
                              "slices, which the paged adapter does not")
+        if cls.__name__ == "FalconAttention" and config.alibi:
+            raise ValueError(falcon_alibi_refusal())
         if cls.__name__ == "MptAttention":
             module.hsdp_alibi_bias_max = config.attn_config.alibi_bias_max
             mpt = sys.modules[cls.__module__]
