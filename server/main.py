@@ -74,6 +74,11 @@ def _replicas(mesh_shape: tuple[int, int]) -> list[list[int]]:
     return [[r * shard + s for s in range(shard)] for r in range(replicate)]
 
 
+def _group_share(max_concurrent: int, groups: int) -> int:
+    """The sequences a step group runs at most (its scheduler's bound), and so one of its ranks."""
+    return -(-max_concurrent // groups)
+
+
 def _step_groups(mesh_shape: tuple[int, int], residency) -> list[list[int]]:
     """The ranks that must enter their forwards together, each group stepped on its own.
 
@@ -234,6 +239,7 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
     ``(bytes read, resident bytes, KV blocks)``."""
     from server.engine import KVGeometry, RankEngine, size_kv_pool
     from server.engine.compiled import WarmUpPeers
+    from server.engine.state import bytes_per_sequence, is_stateful_config, state_shapes
     from server.group.memory import MemoryReport, release_freed_memory, tensor_bytes
     from shard_engine import enable_forward_prefetch, enable_shared_memory_all_gather, shared_weights_of, \
         slots_for_depth, wire
@@ -252,13 +258,19 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
     # before the KV pool takes what is left; the packed copies count as the rank's resident memory beyond its shards
     extra = residency.extra_bytes + _pack_linears(loaded.model, cfg, device, residency)
     geometry = KVGeometry.of(loaded.model)
-    available = size_kv_pool(cfg.kv_cache_memory, geometry, cfg.kv_block_size, device)
+    # a rank runs at most its step group's share of the concurrent sequences (_build_router): a stateful model
+    # keeps that many state slots, out of the KV cache's budget (server.engine.state)
+    max_sequences = _group_share(cfg.max_concurrent_requests, len(_step_groups(mesh_shape, residency)))
+    state_bytes = 0
+    if is_stateful_config(loaded.config):
+        state_bytes = max_sequences * bytes_per_sequence(state_shapes(loaded.model))
+    available = size_kv_pool(cfg.kv_cache_memory, geometry, cfg.kv_block_size, device, state_bytes=state_bytes)
     # every rank, once; also the barrier between measuring free memory and allocating the pools
     per_rank = wire.all_gather([loaded.stats.bytes_read, extra, available])
     if loaded.stats.quantized_layers:  # every rank loads the same checkpoint: all or none gather
         group.quantized = wire.all_gather(quantized_bytes)
     engine = RankEngine(loaded.model, device, dist.get_rank(), num_blocks=available, block_size=cfg.kv_block_size,
-                        tokenizer=loaded.tokenizer)
+                        tokenizer=loaded.tokenizer, max_sequences=max_sequences)
     if cfg.compile == "decode":
         if state is not None:
             state.set_phase("compiling")
@@ -275,7 +287,7 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
     shards -= weights.shard_view_bytes if weights is not None else 0
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     # each shard group maps its own ring: its sharers are the group's ranks (all on this host)
-    engine.memory = MemoryReport(shards=shards, resident=extra, kv_pool=engine.cache.nbytes,
+    engine.memory = MemoryReport(shards=shards, resident=extra, kv_pool=engine.cache.nbytes, states=engine.states,
                                  ring=group.shm_pool, ring_sharers=min(local_ranks, mesh_shape[1]),
                                  shared_weights=residency.shared_bytes, shared_weights_sharers=residency.shared_with)
     if dist.get_rank() == 0:
@@ -309,9 +321,12 @@ def _build_router(cfg: ServeConfig, loaded, groups, per_rank, state, device):
     from server.engine import BlockPool, Scheduler, StepGroupRouter
     from server.engine.cores import HostCores, cores_follow_work
     from server.engine.rope import rope_switch
+    from server.engine.state import is_stateful_config
 
     limits = state.limits = _resolve_limits(cfg, loaded.config)
-    share = -(-limits.max_concurrent_requests // len(groups))  # each group's running bound
+    # a cached block holds keys and values, not a stateful layer's state after it (server.engine.state)
+    prefix_caching = cfg.prefix_caching and not is_stateful_config(loaded.config)
+    share = _group_share(limits.max_concurrent_requests, len(groups))
     cores = None
     # a busy rank takes its host's idle cores (server.engine.cores), where a step streams weights
     if cores_follow_work(device.type, _weight_bytes(loaded.model), len(groups)):
@@ -319,7 +334,7 @@ def _build_router(cfg: ServeConfig, loaded, groups, per_rank, state, device):
         cores = HostCores(_host_ranks()[1], torch.get_num_threads(), world)
     schedulers = [
         Scheduler(
-            pools=[BlockPool(per_rank[r][2], cfg.kv_block_size, prefix_caching=cfg.prefix_caching) for r in ranks],
+            pools=[BlockPool(per_rank[r][2], cfg.kv_block_size, prefix_caching=prefix_caching) for r in ranks],
             replicas=[list(range(len(ranks)))], rank_ids=ranks, max_running=share,
             max_queued=limits.max_queued_requests, max_total_tokens=limits.max_total_tokens,
             max_prefill_tokens=cfg.prefill_tokens_for(device.type), prefill_share=cfg.prefill_share_for(device.type),
@@ -344,6 +359,9 @@ def _open_for_requests(cfg: ServeConfig, state, scheduler, loaded, engine, per_r
     from server.group.memory import QuietReclaimer
 
     _describe_group(state, scheduler, loaded, per_rank, group.residency, group.shm_pool, cfg, group.quantized)
+    if engine.states is not None:  # every rank the same: the same model, the same share of sequences
+        state.kv_layout.update(state_bytes_per_sequence=engine.states.bytes_per_sequence(),
+                               state_slots_per_rank=engine.states.capacity)
     state.special_ids = frozenset(getattr(loaded.tokenizer, "all_special_ids", ()))
     state.vocab_size = min(len(loaded.tokenizer), getattr(loaded.config, "vocab_size", None) or 1 << 62)
     state.tokenizer, state.scheduler = loaded.tokenizer, scheduler
@@ -388,8 +406,8 @@ def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg
         state.metrics.kv_blocks.labels(str(r), "total").set(pool.num_blocks)
         state.metrics.kv_blocks.labels(str(r), "used").set_function(lambda pool=pool: pool.num_used)
         state.metrics.kv_blocks.labels(str(r), "cached").set_function(lambda pool=pool: pool.num_cached)
-        for kind in ("shards", "resident", "shared_weights_share", "gather_ring_share", "kv_pool", "runtime", "rss",
-                     "pss"):
+        for kind in ("shards", "resident", "shared_weights_share", "gather_ring_share", "kv_pool", "state_pool",
+                     "runtime", "rss", "pss"):
             state.metrics.rank_memory.labels(str(r), kind).set_function(
                 lambda r=r, kind=kind: (scheduler.rank_memory[r] or {}).get(kind, 0))
     state.dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")

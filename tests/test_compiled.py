@@ -17,7 +17,8 @@ from tests.server_process import REPO
 from tests.test_families import SERVED
 
 NOT_COMPILED = {"deepseek_v2": "rope is complex-valued", "bloom": "an adapter", "mpt": "an adapter",
-                "falcon": "an adapter", "falcon_40b": "an adapter"}
+                "falcon": "an adapter", "falcon_40b": "an adapter", "lfm2": "per-sequence state",
+                "qwen3_next": "per-sequence state", "mamba2": "per-sequence state"}
 """Served families ``--compile decode`` refuses, and the refusal's words: DeepSeek-V2's complex
 frequencies (``view_as_complex``) make inductor specialize a layer's graph to one step size."""
 SERVED_FAMILIES = [f for f in SERVED if f not in NOT_COMPILED]

@@ -52,9 +52,12 @@ class Harness:
     def __init__(self, model, *, ranks: int = 1, blocks: int = 64, block_size: int = 4, prefill: int = 512,
                  prefix_caching: bool = True, max_running: int = 64, replicas: list[list[int]] | None = None):
         from server.engine import BlockPool, RankEngine, Scheduler
+        from server.engine.state import is_stateful_config
 
-        self.engines = [RankEngine(model, torch.device("cpu"), r, num_blocks=blocks, block_size=block_size)
+        self.engines = [RankEngine(model, torch.device("cpu"), r, num_blocks=blocks, block_size=block_size,
+                                   max_sequences=max_running)
                         for r in range(ranks)]
+        prefix_caching = prefix_caching and not is_stateful_config(model.config)  # as server.main has it
         pools = [BlockPool(blocks, block_size, prefix_caching=prefix_caching) for _ in range(ranks)]
         self.scheduler = Scheduler(pools=pools, replicas=replicas or [list(range(ranks))], max_running=max_running,
                                    max_total_tokens=256, eos_token_ids={EOS}, max_prefill_tokens=prefill,
@@ -354,7 +357,8 @@ def test_a_burst_sharing_a_cached_prefix_is_spread_over_the_replicas():
 def test_auto_kv_pool_on_cpu_is_a_fifth_of_available_memory_split_between_the_ranks(monkeypatch):
     """``--kv-cache-memory auto`` on CPU (the suite's servers run with a fixed size, conftest.py):
     this host's MemAvailable x CPU_KV_SHARE / LOCAL_WORLD_SIZE, in whole blocks; a budget that
-    holds no block is refused naming the flag."""
+    holds no block is refused naming the flag; a stateful model's state slots are taken from the
+    budget before the blocks, and a budget they do not fit is refused naming both flags."""
     from server.engine import rank
     from server.engine.rank import KVGeometry, size_kv_pool
 
@@ -365,6 +369,14 @@ def test_auto_kv_pool_on_cpu_is_a_fifth_of_available_memory_split_between_the_ra
     assert size_kv_pool(64 << 20, geometry, 16, torch.device("cpu")) == (64 << 20) // (512 * 16)
     with pytest.raises(ValueError, match="--kv-cache-memory"):
         size_kv_pool(1000, geometry, 16, torch.device("cpu"))
+    # a stateful model's state slots come out of the same budget, first
+    assert size_kv_pool(64 << 20, geometry, 16, torch.device("cpu"), state_bytes=1 << 20) == (63 << 20) // (512 * 16)
+    with pytest.raises(ValueError, match="recurrent states .* --max-concurrent-requests"):
+        size_kv_pool(1 << 20, geometry, 16, torch.device("cpu"), state_bytes=1 << 20)
+    ssm = KVGeometry(num_layers=2, kv_heads=1, head_dim=1, dtype=torch.float32, kv_layers=())  # Mamba2: no KV
+    assert size_kv_pool(2 << 20, ssm, 16, torch.device("cpu"), state_bytes=1 << 20) == rank.STATE_ONLY_BLOCKS
+    with pytest.raises(ValueError, match="recurrent states"):
+        size_kv_pool(1 << 20, ssm, 16, torch.device("cpu"), state_bytes=2 << 20)
     with open("/proc/meminfo") as f:  # the real reading is the kernel's MemAvailable
         kernel = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     monkeypatch.undo()

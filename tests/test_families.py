@@ -81,6 +81,22 @@ def _config(family: str, vocab: int = 300):
         # grouped keys (40B, 180B)
         "falcon": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                          bos_token_id=0, eos_token_id=0, pad_token_id=0),
+        # per-sequence recurrent state (server.engine.state): short convolutions beside attention
+        "lfm2": lambda: T.Lfm2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                     layer_types=["conv", "full_attention", "conv", "full_attention"],
+                                     bos_token_id=0, eos_token_id=0, pad_token_id=0),
+        # gated delta-net (a conv window and a recurrent state) beside attention, experts
+        "qwen3_next": lambda: T.Qwen3NextConfig(
+            **{**common, "num_hidden_layers": 4}, head_dim=16,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32),
+        # a state-space model: no attention at all (SSM state and a conv window per sequence)
+        "mamba2": lambda: T.Mamba2Config(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
+                                         state_size=16, n_groups=1, expand=2, conv_kernel=4, chunk_size=16,
+                                         bos_token_id=0, eos_token_id=0, pad_token_id=0),
         "falcon_40b": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
                                              num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
                                              bos_token_id=0, eos_token_id=0, pad_token_id=0),
@@ -88,7 +104,6 @@ def _config(family: str, vocab: int = 300):
     refused = {
         "jamba": lambda: T.JambaConfig(**common),
         "mamba": lambda: T.MambaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2),
-        "lfm2": lambda: T.Lfm2Config(vocab_size=vocab, hidden_size=64, num_hidden_layers=2),
         "falcon_rw": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, alibi=True, multi_query=False),
         "t5": lambda: T.T5Config(vocab_size=vocab, d_model=64),
@@ -101,11 +116,11 @@ def _config(family: str, vocab: int = 300):
 
 SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "olmo2", "granite",
           "cohere", "gpt_neox", "gpt2", "gpt_oss", "qwen3_moe", "mixtral", "llama_dynamic_rope", "phi3_longrope",
-          "deepseek_v3", "deepseek_v2", "bloom", "mpt", "falcon", "falcon_40b"]
+          "deepseek_v3", "deepseek_v2", "bloom", "mpt", "falcon", "falcon_40b", "lfm2", "qwen3_next",
+          "mamba2"]
 REFUSED = {
     "jamba": "recurrent or convolution state",
     "mamba": "recurrent or convolution state",
-    "lfm2": "recurrent or convolution state",
     "falcon_rw": "rounds its bias to bf16",
     "t5": "encoder-decoder",
     "gemma3_dynamic_rope_per_layer_type": "rope_type 'dynamic' for one layer type of several",
@@ -234,6 +249,48 @@ def test_adapted_attention_is_each_sequences_own(family, without, monkeypatch):
     assert served(64)[0] != expected  # the test can tell
 
 
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_next", "mamba2"])
+def test_recurrent_state_is_each_sequences_own(family, monkeypatch):
+    """A hybrid's per-sequence state (server.engine.state): prompts of several lengths chunked
+    (8 tokens a step: the state carried across chunks) and packed together with decodes, one
+    preempted and recomputed from its prompt (a small pool), 1-token prompts; greedy tokens equal
+    transformers' eager generate of each prompt alone. With every sequence given the same slot
+    (states shared), the tokens differ."""
+    from transformers import AutoModelForCausalLM
+
+    from server.engine.state import StatePool, bytes_per_sequence, state_shapes
+    from tests.test_engine import Harness
+
+    torch.manual_seed(0)
+    config = _config(family)
+    # the short convolutions' projections scaled up: a random model's tokens then depend on its states
+    model = _sharp(AutoModelForCausalLM.from_config(config), ("in_proj", "out_proj", "conv"), 4.0).eval()
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    reference.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (9, 30, 13, 40, 1, 21)]
+    expected = _reference_tokens(reference, prompts, 12)
+
+    def served(blocks: int):
+        harness = Harness(model, blocks=blocks, block_size=4, prefill=8, max_running=8)
+        harness.scheduler.eos_token_ids = set()
+        outs = [harness.submit(p, 12) for p in prompts]
+        harness.run(lambda: all(o["finish"] is not None or o["error"] for o in outs))
+        assert [o["error"] for o in outs] == [None] * len(prompts)
+        pool = harness.engines[0].states
+        # a slot for each sequence the rank may run, each of the states the model's code writes (the probe's)
+        assert pool is not None and pool.capacity == 8
+        assert pool.nbytes == 8 * bytes_per_sequence(state_shapes(model)) > 0
+        return [o["tokens"] for o in outs], harness.scheduler.preemptions
+
+    tokens, _ = served(64)
+    assert tokens == expected
+    tokens, preemptions = served(20)
+    assert preemptions > 0 and tokens == expected
+    monkeypatch.setattr(StatePool, "add", lambda self, seq_id: self.slot_of.setdefault(seq_id, 0))
+    assert served(64)[0] != expected  # the test can tell
+
+
 @pytest.mark.parametrize("family, small_pool", [("llama_dynamic_rope", 26), ("phi3_longrope", 28)])
 def test_length_dependent_rope_is_each_sequences_own(family, small_pool):
     """Dynamic NTK and longrope take each sequence's frequencies from its own length, as generate does
@@ -314,10 +371,11 @@ def _write(family: str, path) -> str:
 PROMPTS = ["Once upon a time there was a server that never hung, and it served every request",
            "The quick brown fox jumps over the lazy dog while the ranks gather their shards"]
 NEW_TOKENS = 10
-THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3", "bloom"]
+THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3", "bloom", "lfm2"]
 """The families also served through HTTP: plain attention; soft-capping with alternating windows;
 experts; multi-head latent attention (its latents cached: /info says what a token costs); ALiBi
-through an adapter (server.engine.adapters). The server adds nothing per family (the same load, residency and engine as the 2-rank
+through an adapter (server.engine.adapters); a hybrid's per-sequence state (server.engine.state:
+only its attention layers cache keys and values). The server adds nothing per family (the same load, residency and engine as the 2-rank
 test below), so the others are checked below the HTTP layer, in one process group."""
 
 
@@ -411,6 +469,9 @@ def test_server_on_two_ranks_matches_generate(family, tmp_path):
     config = _config(family)
     if family == "deepseek_v3":  # the latent and the rope key, float32: (16 + 8) x 4 bytes a token a layer
         assert info["kv_cache"]["layout"] == "latent" and info["kv_cache"]["bytes_per_token_per_layer"] == 96
+    elif family == "lfm2":  # its 2 attention layers of 4 cache keys and values; the conv layers keep a state
+        assert info["kv_cache"]["layers"] == 2 and info["kv_cache"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+        assert info["kv_cache"]["state_bytes_per_sequence"] == 2 * 64 * 3 * 4  # 2 conv layers x [64, 3 taps]
     else:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # Bloom: all heads
@@ -514,3 +575,55 @@ def test_converted_tensors_the_model_skips_are_skipped(tmp_path):
     save_file({**tensors, **extra}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     results = values(run_ranks(_load_and_compare, 2, tmp_path, path, timeout=240))
     assert all(r["exact"] and r["converted"] > 0 for r in results)
+
+
+@pytest.mark.slow
+def test_hybrid_answers_32_concurrent_requests_exactly_under_a_small_kv_budget(tmp_path):
+    """LFM2 (short convolutions beside attention) through the real server on 2 ranks, 32 requests at
+    once under a budget (``--kv-cache-memory``) of the state slots of the 16 sequences a rank runs at
+    most and 4 KV blocks (a few sequences at a time: the rest wait; preempted sequences and their
+    states are recomputed in test_recurrent_state_is_each_sequences_own): every one answered with
+    transformers' greedy tokens; /info and /metrics (``state_pool``) report the states' arithmetic,
+    2 layers x [64 channels, 3 taps] float32 a sequence, and the budget holds both."""
+    import concurrent.futures
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.checkpoints import tokenizer
+
+    path = _write("lfm2", tmp_path / "lfm2")
+    prompts = [f"request {i}: " + PROMPTS[i % 2][: 20 + 3 * (i % 7)] for i in range(32)]
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    expected = []
+    for prompt in prompts:
+        ids = tokenizer()(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                     do_sample=False, eos_token_id=0, pad_token_id=0)
+        expected.append(out[0, ids.shape[1]:].tolist())
+    # each rank steps alone (every unit resident: 2 step groups) and runs at most 16 of the 32 sequences: 16 state
+    # slots of 2 conv layers x [64 channels, 3 taps] x 4 bytes = 24 KiB, then 4 KV blocks of 16 tokens at 512 bytes a
+    # token (2 attention layers x 2 kv heads x 16 x (key + value) x 4) = 32 KiB: 56 KiB a rank in all
+    extra = ("--dtype", "float32", "--kv-cache-memory", "56KiB", "--max-batch-prefill-tokens", "16",
+             "--max-concurrent-requests", "32")
+    with ServerProcess(path, nproc=2, extra_args=extra, log_path=tmp_path / "server.log") as server:
+        def generate(prompt):
+            r = server.client.post("/generate", json={"inputs": prompt, "parameters": {
+                "max_new_tokens": NEW_TOKENS, "details": True}}, timeout=300)
+            assert r.status_code == 200, r.text
+            return [t["id"] for t in r.json()["details"]["tokens"]]
+
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            got = list(pool.map(generate, prompts))
+        info = server.client.get("/info").json()
+        metrics = server.client.get("/metrics").text
+    assert got == expected
+    per_sequence = 2 * 64 * 3 * 4
+    kv = info["kv_cache"]
+    assert kv["bytes_per_token"] == 512 and kv["state_bytes_per_sequence"] == per_sequence
+    assert kv["state_slots_per_rank"] == 16
+    assert [r["kv_blocks"]["total"] for r in info["ranks"]] == [4, 4]
+    pools = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+             if line.startswith("hsdp_rank_memory_bytes") and 'kind="state_pool"' in line]
+    assert pools == [16 * per_sequence] * 2, pools
+    assert 16 * per_sequence + 4 * 16 * 512 <= 56 * 1024

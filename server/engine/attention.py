@@ -114,20 +114,27 @@ class PagedLayout:
     A plain object, not a pytree, so FSDP2 passes it through its forward hooks untouched.
     """
 
-    __slots__ = ("slots_T", "decode", "prefill")
+    __slots__ = ("slots_T", "decode", "prefill", "state_slots_S", "state_previous_S", "state_slots_chunks")
 
     def __init__(self, slots_T: torch.Tensor, decode: _DecodeGroup | None, prefill: list[_Chunk]):
         self.slots_T = slots_T  # the cache slot each query token's key and value go to
         self.decode = decode
         self.prefill = prefill
+        # a stateful model's (server.engine.state): each decoding sequence's state slot and whether it has a
+        # state yet (its token is not its first), each prompt chunk's slot ([1])
+        self.state_slots_S: torch.Tensor | None = None
+        self.state_previous_S: torch.Tensor | None = None
+        self.state_slots_chunks: list[torch.Tensor] = []
 
     @classmethod
-    def build(cls, items: list[tuple[int, int, list[int]]], block_size: int, device) -> PagedLayout:
+    def build(cls, items: list[tuple[int, int, list[int]]], block_size: int, device,
+              state_slots: list[int] | None = None) -> PagedLayout:
         """``items``: per sequence in row order, (first position computed, tokens computed, its
-        block table)."""
+        block table); ``state_slots``: each one's state slot, for a stateful model."""
         slots, decode_rows, decode_ctx, decode_tables, prefill = [], [], [], [], []
+        decode_state, decode_previous, chunk_state = [], [], []
         row = 0
-        for start, count, blocks in items:
+        for i, (start, count, blocks) in enumerate(items):
             table = torch.tensor(blocks, dtype=torch.long)
             slots.append(_slots_at(table, torch.arange(start, start + count), block_size))
             context = start + count
@@ -135,14 +142,24 @@ class PagedLayout:
                 decode_rows.append(row)
                 decode_ctx.append(context)
                 decode_tables.append(table)
+                if state_slots is not None:
+                    decode_state.append(state_slots[i])
+                    decode_previous.append(start > 0)
             else:
                 read_slots = _slots_at(table, torch.arange(context), block_size)
                 prefill.append(_Chunk(row, start, count, read_slots.to(device), device))
+                if state_slots is not None:
+                    chunk_state.append(torch.tensor([state_slots[i]], device=device))
             row += count
         decode = None
         if decode_rows:
             decode = _DecodeGroup(decode_rows, decode_ctx, decode_tables, block_size, device)
-        return cls(torch.cat(slots).to(device), decode, prefill)
+        layout = cls(torch.cat(slots).to(device), decode, prefill)
+        if state_slots is not None:
+            layout.state_slots_S = torch.tensor(decode_state, dtype=torch.long, device=device)
+            layout.state_previous_S = torch.tensor(decode_previous, dtype=torch.bool, device=device)
+            layout.state_slots_chunks = chunk_state
+        return layout
 
 
 def _slots_at(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -194,18 +211,23 @@ class PagedKVCache:
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, value_head_dim: int | None = None,
-                 values_in_keys: bool = False):
+                 values_in_keys: bool = False, kv_layers: tuple[int, ...] | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks
         slots = (num_blocks + 1) * block_size
         value_dim = value_head_dim or head_dim
-        self.keys = [torch.zeros((kv_heads, slots, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+
+        def pool(layer: int, dim: int) -> torch.Tensor:  # a hybrid's stateful layers cache nothing
+            cached = kv_layers is None or layer in kv_layers
+            return torch.zeros((kv_heads, slots if cached else 0, dim), dtype=dtype, device=device)
+
+        self.keys = [pool(layer, head_dim) for layer in range(num_layers)]
         # multi-head latent attention (server.engine.mla): the values are the keys' first value_dim, no copy
         self.values_in_keys = values_in_keys
         self.values = ([k[..., :value_dim] for k in self.keys] if values_in_keys else
-                       [torch.zeros((kv_heads, slots, value_dim), dtype=dtype, device=device)
-                        for _ in range(num_layers)])
+                       [pool(layer, value_dim) for layer in range(num_layers)])
         self.layout: PagedLayout | None = None
+        self.states = None  # a stateful model's server.engine.state.StatePool
         self.pools_in_kwargs = False  # set by a forward whose layers pass their pools as LAYER_POOLS
 
     @property

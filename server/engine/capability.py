@@ -7,8 +7,9 @@ packs the tokens of many sequences into one row. A model is served only if both 
   where the engine's function is plugged in, or through an adapter of ``server.engine.adapters``
   (Bloom, MPT: ALiBi built inside the module; Falcon's rope layouts); other models with their own
   attention code would bypass the cache;
-* nothing in a sequence's computation depends on the others packed beside it: no recurrent or
-  convolution state carried across the row (state-space and hybrid models); rope factors that
+* nothing in a sequence's computation depends on the others packed beside it: recurrent and
+  convolution state is kept per sequence (``server.engine.state``) for the stateful families
+  tested with it (LFM2, Qwen3-Next, Mamba2), the others are refused; rope factors that
   transformers takes from the longest position in the batch (dynamic NTK, longrope) are chosen
   per sequence (``server.engine.rope``), except where a model has one rope per layer type;
 
@@ -50,12 +51,16 @@ def check_servable(config, model_class=None) -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(architecture, "encoder-decoder models are not decoder-only")
     model_type = getattr(text, "model_type", "") or getattr(config, "model_type", "")
-    if model_type in STATEFUL_MODEL_TYPES:
+    from server.engine.state import SERVED_STATEFUL_MODEL_TYPES, STATEFUL_LAYER_TYPES
+
+    stateful = model_type in SERVED_STATEFUL_MODEL_TYPES
+    if model_type in STATEFUL_MODEL_TYPES and not stateful:
         raise UnsupportedModelError(
-            architecture, "its layers carry recurrent or convolution state between tokens, which the engine does not "
-            "keep per sequence (state-space and hybrid models)")
+            architecture, "its layers carry recurrent or convolution state between tokens, which the engine keeps per "
+            f"sequence only for the families tested with it ({', '.join(sorted(SERVED_STATEFUL_MODEL_TYPES))})")
     layer_types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ()
-    if other := sorted(set(layer_types) - ATTENTION_LAYER_TYPES):
+    computed = ATTENTION_LAYER_TYPES | (STATEFUL_LAYER_TYPES if stateful else frozenset())
+    if other := sorted(set(layer_types) - computed):
         raise UnsupportedModelError(
             architecture, f"layer types {other} are not computed by the engine (it computes full and sliding-window "
             "attention; recurrent, convolution and chunked layers are not kept per sequence)")
@@ -81,7 +86,9 @@ def check_servable(config, model_class=None) -> None:
     if model_type == "falcon" and getattr(text, "alibi", False):
         raise UnsupportedModelError(architecture, falcon_alibi_refusal())
 
-    if not getattr(model_class, "_supports_attention_backend", False) and model_type not in ADAPTED_MODEL_TYPES:
+    # (the served stateful families' attention layers call the interface, unflagged: Qwen3-Next; Mamba2 has none)
+    if not getattr(model_class, "_supports_attention_backend", False) and model_type not in ADAPTED_MODEL_TYPES \
+            and not stateful:
         raise UnsupportedModelError(
             architecture, "its attention does not go through transformers' attention interface (it computes its own, "
             "e.g. with ALiBi), so the engine's paged attention cannot be plugged in")

@@ -415,6 +415,11 @@ class CompiledDecode:
         from server.engine.adapters import adapted
         from shard_engine.direct import DirectForward
 
+        from server.engine.state import stateful
+
+        if stateful(model):
+            raise CompileUnavailable("--compile decode: the model's layers carry per-sequence state "
+                                     "(server.engine.state), whose modules run eagerly; serve it without --compile")
         if adapted(model):
             raise CompileUnavailable("--compile decode: the model's attention runs through an adapter "
                                      "(server.engine.adapters: Bloom, MPT, Falcon), which is not compiled; serve it "

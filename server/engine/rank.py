@@ -24,6 +24,8 @@ from torch import nn
 from server.engine.attention import PagedKVCache, PagedLayout, use_paged_attention
 from server.engine.plan import PromptLogprobs, SequenceAdd, StepPlan, StepResult, TokenResult, Work
 from server.engine.adapters import install as install_adapters, kv_heads as adapted_kv_heads
+from server.engine.capability import ATTENTION_LAYER_TYPES
+from server.engine.state import StatePool, install as install_state, is_stateful_config, state_shapes
 from server.engine.mla import install as install_mla, is_mla, latent_geometry
 from server.engine.rope import install as install_rope, sequence_lengths, token_lengths
 from server.engine.sampling import BatchSampler, Row, RowMasks
@@ -35,6 +37,8 @@ GPU_KV_SHARE = 0.9
 GPU_ACTIVATION_HEADROOM = 1 << 30
 MEMORY_REPORT_EVERY_S = 5.0
 TRIM_WHEN_IDLE_EVERY_S = 10.0
+STATE_ONLY_BLOCKS = 1 << 16
+"""Blocks of a model with no attention layer (Mamba2): they hold nothing, and only count tokens."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,11 +51,16 @@ class KVGeometry:
     dtype: torch.dtype
     value_dim: int | None = None  # where it differs from head_dim
     values_in_keys: bool = False  # multi-head latent attention: the values are the keys' first value_dim
+    kv_layers: tuple[int, ...] | None = None  # a hybrid's attention layers (the others keep state); None: all
+
+    @property
+    def cached_layers(self) -> int:
+        return self.num_layers if self.kv_layers is None else len(self.kv_layers)
 
     @property
     def bytes_per_token(self) -> int:
         values = 0 if self.values_in_keys else (self.value_dim or self.head_dim)
-        return (self.num_layers * self.kv_heads * (self.head_dim + values)
+        return (self.cached_layers * self.kv_heads * (self.head_dim + values)
                 * torch.empty((), dtype=self.dtype).element_size())
 
     def describe(self) -> dict:
@@ -59,7 +68,9 @@ class KVGeometry:
         return {"layout": "latent" if self.values_in_keys else "heads", "kv_heads": self.kv_heads,
                 "key_dim": self.head_dim, "value_dim": self.value_dim or self.head_dim,
                 "values_in_keys": self.values_in_keys, "dtype": str(self.dtype).removeprefix("torch."),
-                "bytes_per_token": self.bytes_per_token, "bytes_per_token_per_layer": self.bytes_per_token // self.num_layers}
+                "bytes_per_token": self.bytes_per_token,
+                "bytes_per_token_per_layer": self.bytes_per_token // max(1, self.cached_layers),
+                "layers": self.cached_layers}
 
     @classmethod
     def of(cls, model: nn.Module) -> KVGeometry:
@@ -69,16 +80,24 @@ class KVGeometry:
             key_dim, value_dim = latent_geometry(config)
             return cls(num_layers=config.num_hidden_layers, kv_heads=1, head_dim=key_dim, dtype=dtype,
                        value_dim=value_dim, values_in_keys=True)
+        kv_layers = None
+        if is_stateful_config(config):  # a hybrid: only its attention layers cache keys and values
+            kv_layers = tuple(i for i, t in enumerate(config.layer_types) if t in ATTENTION_LAYER_TYPES)
+            if not kv_layers:  # a state-space model: no attention at all
+                return cls(num_layers=config.num_hidden_layers, kv_heads=1, head_dim=1, dtype=dtype, kv_layers=())
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = adapted_kv_heads(config) or getattr(config, "num_key_value_heads", None) or heads
-        return cls(num_layers=config.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+        return cls(num_layers=config.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                   kv_layers=kv_layers)
 
 
-def size_kv_pool(budget_bytes: int | None, geometry: KVGeometry, block_size: int, device: torch.device) -> int:
+def size_kv_pool(budget_bytes: int | None, geometry: KVGeometry, block_size: int, device: torch.device,
+                 state_bytes: int = 0) -> int:
     """Blocks of ``block_size`` tokens this rank's KV pool holds: ``budget_bytes``, or for None
     (``auto``) a share of the memory available now (the loaded model and gather buffers already
-    taken). Raises ValueError when not even one block fits."""
+    taken), less ``state_bytes`` (a stateful model's state slots, taken from the same budget).
+    Raises ValueError when the states or not even one block fit."""
     block_bytes = geometry.bytes_per_token * block_size
     if budget_bytes is None:
         if device.type == "cuda":
@@ -87,10 +106,15 @@ def size_kv_pool(budget_bytes: int | None, geometry: KVGeometry, block_size: int
         else:
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             budget_bytes = int(_available_memory() * CPU_KV_SHARE / local_ranks)
-    blocks = budget_bytes // block_bytes
+    if state_bytes and state_bytes >= budget_bytes:
+        raise ValueError(f"--kv-cache-memory: {budget_bytes} bytes do not hold the recurrent states of the sequences "
+                         f"a rank runs at once ({state_bytes} bytes; lower --max-concurrent-requests or raise it)")
+    if block_bytes == 0:  # a state-space model caches nothing a token: blocks only count its tokens
+        return STATE_ONLY_BLOCKS
+    blocks = (budget_bytes - state_bytes) // block_bytes
     if blocks < 1:
-        raise ValueError(f"--kv-cache-memory: {budget_bytes} bytes hold no KV block of {block_size} tokens "
-                         f"({block_bytes} bytes)")
+        raise ValueError(f"--kv-cache-memory: {budget_bytes - state_bytes} bytes hold no KV block of {block_size} "
+                         f"tokens ({block_bytes} bytes)" + (f" beside the states' {state_bytes}" if state_bytes else ""))
     return blocks
 
 
@@ -126,7 +150,7 @@ class RankEngine:
     every rank of a step group calls it for every plan, so that their forwards' collectives match."""
 
     def __init__(self, model: nn.Module, device: torch.device, rank: int, *, num_blocks: int, block_size: int,
-                 tokenizer=None):
+                 tokenizer=None, max_sequences: int = 64):
         self.model, self.device, self.rank = model, device, rank
         self.tokenizer = tokenizer  # for grammars (constrained decoding), built at their first use
         self._grammar_rows = None
@@ -135,10 +159,14 @@ class RankEngine:
         self.cache = PagedKVCache(num_layers=geometry.num_layers, num_blocks=num_blocks, block_size=block_size,
                                   kv_heads=geometry.kv_heads, head_dim=geometry.head_dim, dtype=geometry.dtype,
                                   device=device, value_head_dim=geometry.value_dim,
-                                  values_in_keys=geometry.values_in_keys)
+                                  values_in_keys=geometry.values_in_keys, kv_layers=geometry.kv_layers)
         use_paged_attention(model)
         install_mla(model)  # multi-head latent attention over cached latents, where the model has it
         install_adapters(model)  # Bloom's, MPT's and Falcon's own attention code: adapters onto the paged attention
+        # hybrid and state-space families: each sequence's conv and recurrent states in a slot of their own, one
+        # for each of the ``max_sequences`` this rank runs at most (server.engine.state)
+        self.states = StatePool(device, state_shapes(model), max_sequences) if install_state(model) else None
+        self.cache.states = self.states
         self.sampler = BatchSampler()
         self.sequences: dict[int, _Sequence] = {}
         self.sequences_started = 0
@@ -157,11 +185,15 @@ class RankEngine:
     def step(self, plan: StepPlan) -> StepResult:
         for seq_id in plan.remove:
             self.sequences.pop(seq_id, None)
+            if self.states is not None:
+                self.states.remove(seq_id)
             if self._grammar_rows is not None:
                 self._grammar_rows.forget(seq_id)
         for add in plan.add:
             if add.rank == self.rank:
                 self.sequences[add.seq_id] = _Sequence(add)
+                if self.states is not None:
+                    self.states.add(add.seq_id)
                 self.sequences_started += 1
                 if add.params.grammar is not None:
                     self._start_grammar(self.sequences[add.seq_id])
@@ -231,7 +263,12 @@ class RankEngine:
             threads = self.compiled.entry_threads(threads)
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # the idle ranks' cores (server.engine.cores)
-        layout = PagedLayout.build(items, self.block_size, self.device)
+        state_slots = None
+        if self.states is not None:
+            for w in work:
+                self.states.starts(w.seq_id, w.start)
+            state_slots = [self.states.slot_of[w.seq_id] for w in work]
+        layout = PagedLayout.build(items, self.block_size, self.device, state_slots)
         self.cache.layout = layout
         lengths = None
         if self._rope is not None:  # each token's own sequence's length picks its rope frequencies (server.engine.rope)
@@ -279,6 +316,8 @@ class RankEngine:
                 # a matcher in an error state (a limit reached) fails its sequence: never a stop
                 results.append(TokenResult(seq.seq_id, -1, 0.0, error=pick if isinstance(pick, str) else error))
                 del self.sequences[seq.seq_id]
+                if self.states is not None:
+                    self.states.remove(seq.seq_id)
                 if self._grammar_rows is not None:
                     self._grammar_rows.forget(seq.seq_id)
                 continue

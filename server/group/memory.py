@@ -3,8 +3,10 @@
 Accounted per rank: ``shards`` (this rank's parameter shards, replicated parameters and
 buffers), ``resident`` (gathered parameters kept by ``--resident-units``), ``gather_ring`` (the
 shared-memory all-gather ring, and this rank's share of it: every rank of the host maps it),
-``kv_pool`` (the paged KV cache, allocated whole at startup) and ``runtime`` (everything else in
-the proportional set size: the interpreter, libraries, the process group, activations).
+``kv_pool`` (the paged KV cache, allocated whole at startup), ``state_pool`` (a stateful model's
+per-sequence states, server.engine.state: a slot for each sequence the rank runs at most, allocated
+whole at startup out of the KV budget) and ``runtime`` (everything else in the proportional set
+size: the interpreter, libraries, the process group, activations).
 
 The allocator (glibc), set by :func:`tune_allocator` when a rank starts, and why:
 
@@ -161,18 +163,20 @@ class MemoryReport:
     """One rank's accounting; the fixed parts are measured once, the process's figures each time."""
 
     def __init__(self, *, shards: int, resident: int, kv_pool: int, ring=None, ring_sharers: int = 1,
-                 shared_weights: int = 0, shared_weights_sharers: int = 1):
+                 shared_weights: int = 0, shared_weights_sharers: int = 1, states=None):
         # shards: private shard bytes; resident: private gathered copies; shared_weights: the
         # host's one copy of the resident units (shards that are views of it are counted there)
         self.fixed = {"shards": shards, "resident": resident, "kv_pool": kv_pool, "shared_weights": shared_weights,
                       "shared_weights_share": shared_weights // max(1, shared_weights_sharers)}
         self.ring, self.ring_sharers = ring, max(1, ring_sharers)  # the ring grows at the first forwards
+        self.states = states  # a stateful model's server.engine.state.StatePool (allocated whole at startup)
 
     def snapshot(self) -> dict[str, int]:
         ring = self.ring.nbytes if self.ring is not None else 0
-        parts = {**self.fixed, "gather_ring": ring, "gather_ring_share": ring // self.ring_sharers}
+        parts = {**self.fixed, "gather_ring": ring, "gather_ring_share": ring // self.ring_sharers,
+                 "state_pool": self.states.nbytes if self.states is not None else 0}
         now = process_memory()
         accounted = (parts["shards"] + parts["resident"] + parts["shared_weights_share"] + parts["gather_ring_share"]
-                     + parts["kv_pool"])
+                     + parts["kv_pool"] + parts["state_pool"])
         return {**parts, **now, "runtime": max(0, now["pss"] - accounted)}
 

@@ -60,7 +60,7 @@ class ServerMetrics:
         self.kv_blocks = Gauge("hsdp_kv_blocks", "KV cache blocks per rank by state: total, used, cached",
                                ["rank", "state"], registry=r)
         self.rank_memory = Gauge("hsdp_rank_memory_bytes", "Each rank's memory by kind: shards, resident, "
-                                 "gather_ring_share, kv_pool, runtime, and the process's rss and pss "
+                                 "gather_ring_share, kv_pool, state_pool, runtime, and the process's rss and pss "
                                  "(reported every few seconds)", ["rank", "kind"], registry=r)
         self.failures = Counter("hsdp_failures", "Failed requests by reason", ["reason"], registry=r)
         self.connections_timed_out = Counter(

@@ -1,0 +1,311 @@
+"""Per-sequence recurrent state beside the paged KV cache: hybrid and state-space families.
+
+transformers' stateful layers (LFM2's short convolutions, Qwen3-Next's gated delta-net, Mamba2's
+and the Mamba hybrids' mixers) keep a convolution window and a recurrent (SSM or delta-net) state
+per sequence in their cache, through one interface: ``get_conv_state`` / ``update_conv_state`` /
+``get_recurrent_state`` / ``update_recurrent_state`` / ``is_recording_past``, the semantics of
+``transformers.cache_utils.LinearAttentionLayer``. Their code assumes a batch of sequences of
+equal length; the engine packs sequences of every length into one row. So:
+
+* :class:`StatePool` holds, per stateful layer and state, one tensor of slots ``[slots, ...]``
+  (one sequence's state shape: :func:`state_shapes` learns it from the model's own code on the
+  meta device), and each running sequence its slot (``add`` on admission, ``remove`` on finish or
+  preemption; slots are reused). It holds as many slots as the rank runs sequences at most,
+  allocated at startup out of ``--kv-cache-memory`` before the KV blocks (``server.main``). A
+  sequence's state is never anyone else's: packed prompts and decodes of different sequences
+  never share one.
+* :func:`install` swaps each stateful module's class for a subclass whose forward, in an engine
+  step, splits the row by the step's layout: the decoding sequences (one token each, a state
+  each) together as a batch of one-token sequences, each prompt chunk alone; and calls the
+  module's own forward on each part with a :class:`_SegmentCache`, a real
+  ``LinearAttentionLayer`` loaded with those sequences' states (none for a chunk that starts a
+  prompt: the module's own prefill path then starts them), whose updated states go back to their
+  slots after. Chunked prefill carries the state across chunks (a later chunk finds its state, as
+  transformers' own continuation does); a preempted sequence recomputes from its prompt, its
+  first chunk starting a fresh state.
+* A stateful model does not reuse prefixes (``server.main`` turns prefix caching off for it): a
+  cached block holds keys and values, not the state after it.
+
+The stateful modules run eagerly (``--compile decode`` refuses stateful models), on CPU through
+their torch reference paths; on CUDA their kernels where transformers finds them installed
+(causal-conv1d, mamba-ssm, flash-linear-attention: the modules' own dispatch).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+from torch import nn
+
+STATE_KINDS = ("conv", "recurrent")
+MAX_STATES = 4
+"""State indices a layer may use (``state_idx``): transformers' hybrids use 0 (and 1 for a second
+convolution in some)."""
+SERVED_STATEFUL_MODEL_TYPES = frozenset({"lfm2", "lfm2_moe", "qwen3_next", "mamba2"})
+"""Stateful families the engine serves (tested against transformers' generate)."""
+STATEFUL_LAYER_TYPES = frozenset({"conv", "linear_attention", "mamba"})
+"""``layer_types`` entries of layers whose state :class:`StatePool` keeps."""
+
+
+def is_stateful_config(config) -> bool:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "model_type", "") in SERVED_STATEFUL_MODEL_TYPES
+
+
+StateShapes = dict[tuple[int, str, int], tuple[tuple[int, ...], torch.dtype]]
+"""(layer, kind, state index) -> one sequence's state shape and dtype."""
+
+
+def state_shapes(model: nn.Module) -> StateShapes:
+    """One sequence's states, per stateful layer, as the model's own code writes them: each stateful
+    module of a skeleton of ``model``'s config on the meta device (nothing allocated) runs a
+    3-token prompt with a cache that records what it stores."""
+    import transformers
+
+    config = model.config
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    shapes: StateShapes = {}
+    for module in skeleton.modules():
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int) or not _uses_state(type(module)):
+            continue
+        name = _cache_argument(module)
+        hidden = torch.empty((1, 3, config.get_text_config().hidden_size), dtype=dtype, device="meta")
+        module(hidden, **{name: _Recorder(shapes, layer)})
+    return shapes
+
+
+def bytes_per_sequence(shapes: StateShapes) -> int:
+    return sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in shapes.values())
+
+
+def _cache_argument(module: nn.Module) -> str:
+    names = inspect.signature(module.forward).parameters
+    name = next((n for n in ("cache", "cache_params", "past_key_values", "past_key_value") if n in names), None)
+    if name is None:
+        raise RuntimeError(f"{type(module).__name__}'s forward takes no cache argument")
+    return name
+
+
+class _Recorder:
+    """A cache that records the shape of each state a module stores (:func:`state_shapes`)."""
+
+    def __init__(self, shapes: StateShapes, layer: int):
+        self.shapes, self.layer = shapes, layer
+
+    def get_conv_state(self, *args, **kwargs):
+        return None
+
+    get_recurrent_state = get_conv_state
+
+    def is_recording_past(self, *args, **kwargs) -> bool:
+        return False
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return 0
+
+    def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, conv_kernel_size=None, **kwargs):
+        width = conv_kernel_size or conv_states.shape[-1]
+        self.shapes[(self.layer, "conv", state_idx)] = ((*conv_states.shape[1:-1], width), conv_states.dtype)
+        return conv_states
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
+        self.shapes[(self.layer, "recurrent", state_idx)] = (tuple(recurrent_states.shape[1:]), recurrent_states.dtype)
+        return recurrent_states
+
+
+class StatePool:
+    """Every stateful layer's states for one rank's running sequences (the module docstring):
+    ``capacity`` slots of each state in ``shapes`` (:func:`state_shapes`), allocated at once."""
+
+    def __init__(self, device: torch.device, shapes: StateShapes, capacity: int):
+        self.device, self.capacity = device, capacity
+        self.slot_of: dict[int, int] = {}
+        self._started: set[int] = set()  # sequences whose state exists (their first chunk computed)
+        self._free = list(range(capacity - 1, -1, -1))
+        self.tensors = {key: torch.zeros((capacity, *shape), dtype=dtype, device=device)
+                        for key, (shape, dtype) in shapes.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def bytes_per_sequence(self) -> int:
+        return self.nbytes // self.capacity if self.capacity else 0
+
+    def add(self, seq_id: int) -> int:
+        if seq_id in self.slot_of:
+            return self.slot_of[seq_id]
+        if not self._free:
+            raise RuntimeError(f"no free state slot for sequence {seq_id}: all {self.capacity} run (the scheduler "
+                               "runs at most that many on a rank)")
+        slot = self._free.pop()
+        self.slot_of[seq_id] = slot
+        return slot
+
+    def starts(self, seq_id: int, start: int) -> None:
+        """Check that a step computing ``seq_id`` from position ``start`` has its state: it begins at 0
+        (a prompt's first chunk; a preempted sequence's recompute) or continues what this pool
+        computed. A prefix-cache hit on a stateful model would skip the tokens its state needs."""
+        if start == 0:
+            self._started.add(seq_id)
+        elif seq_id not in self._started:
+            raise RuntimeError(f"sequence {seq_id} starts at position {start} without its state: a stateful model "
+                               "cannot take a cached prefix (prefix caching must be off for it)")
+
+    def remove(self, seq_id: int) -> None:
+        self._started.discard(seq_id)
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def gather(self, layer: int, kind: str, state: int, slots: torch.Tensor) -> torch.Tensor | None:
+        t = self.tensors.get((layer, kind, state))
+        return None if t is None else t.index_select(0, slots)
+
+    def scatter(self, layer: int, kind: str, state: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        t = self.tensors.get((layer, kind, state))
+        if t is None or t.shape[1:] != values.shape[1:] or t.dtype != values.dtype:
+            expected = None if t is None else (tuple(t.shape[1:]), t.dtype)
+            raise RuntimeError(f"layer {layer} stores a {kind} state {state} of {tuple(values.shape[1:])} "
+                               f"{values.dtype}; its probe found {expected} (server.engine.state.state_shapes)")
+        t.index_copy_(0, slots, values)
+
+
+class _SegmentCache:
+    """What a stateful module sees for a part of the row: its sequences' states in a
+    ``LinearAttentionLayer`` (transformers' own state arithmetic), written back by :meth:`store`."""
+
+    def __init__(self, pool: StatePool, layer_idx: int, slots: torch.Tensor, previous: bool):
+        from transformers.cache_utils import LinearAttentionLayer
+
+        self.pool, self.layer_idx, self.slots = pool, layer_idx, slots
+        self.state = LinearAttentionLayer(number_of_states=MAX_STATES)
+        if previous:
+            for i in range(MAX_STATES):
+                conv = pool.gather(layer_idx, "conv", i, slots)
+                if conv is not None:
+                    self.state.conv_states[i] = conv
+                    self.state.conv_kernel_size[i] = conv.shape[-1]
+                    self.state.is_conv_states_initialized[i] = True
+                    self.state.device, self.state.dtype = conv.device, conv.dtype
+                recurrent = pool.gather(layer_idx, "recurrent", i, slots)
+                if recurrent is not None:
+                    self.state.recurrent_states[i] = recurrent
+                    self.state.is_recurrent_states_initialized[i] = True
+                self.state.has_previous_state[i] = conv is not None or recurrent is not None
+
+    def _check(self, layer_idx: int) -> None:
+        if layer_idx != self.layer_idx:
+            raise RuntimeError(f"a stateful module of layer {self.layer_idx} asked for layer {layer_idx}'s state")
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        self._check(layer_idx)
+        return self.state.conv_states[state_idx] if self.state.has_previous_state[state_idx] else None
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        self._check(layer_idx)
+        return self.state.recurrent_states[state_idx] if self.state.has_previous_state[state_idx] else None
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        self._check(layer_idx)
+        return self.state.update_conv_state(conv_states, state_idx, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        self._check(layer_idx)
+        return self.state.update_recurrent_state(recurrent_states, state_idx, **kwargs)
+
+    def is_recording_past(self, layer_idx: int | None = None) -> bool:
+        return False
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def store(self) -> None:
+        for i in range(MAX_STATES):
+            if self.state.is_conv_states_initialized[i]:
+                self.pool.scatter(self.layer_idx, "conv", i, self.slots, self.state.conv_states[i])
+            if self.state.is_recurrent_states_initialized[i]:
+                self.pool.scatter(self.layer_idx, "recurrent", i, self.slots, self.state.recurrent_states[i])
+
+
+def _uses_state(cls: type) -> bool:
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "get_conv_state" in source or "get_recurrent_state" in source
+
+
+class _PerSequenceState:
+    """Mixed into a stateful module's class by :func:`install` (the module docstring)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        from server.engine.attention import PagedKVCache
+
+        name = next((k for k, v in kwargs.items() if isinstance(v, PagedKVCache)), None)
+        cache = kwargs.get(name) if name is not None else None
+        if cache is None or cache.layout is None or cache.states is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        layout, pool = cache.layout, cache.states
+        if "attention_mask" in kwargs:
+            kwargs["attention_mask"] = None  # a padding mask for one batch; the row has no padding
+        out = None
+
+        def run(rows: torch.Tensor, segment: torch.Tensor, slots: torch.Tensor, previous: bool):
+            nonlocal out
+            segment_cache = _SegmentCache(pool, self.layer_idx, slots, previous)
+            result = super(_PerSequenceState, self).forward(segment, *args, **{**kwargs, name: segment_cache})
+            segment_cache.store()
+            if out is None:
+                out = result.new_empty((1, hidden_states.shape[1], *result.shape[2:]))
+            out[0, rows] = result.reshape(len(rows), *result.shape[2:])
+
+        decode = layout.decode
+        if decode is not None:
+            continuing = layout.state_previous_S
+            for previous in (True, False):
+                index = (continuing == previous).nonzero().flatten()
+                if len(index):
+                    rows = decode.rows_S.index_select(0, index)
+                    run(rows, hidden_states[0].index_select(0, rows).unsqueeze(1),
+                        layout.state_slots_S.index_select(0, index), previous)
+        for chunk, slot in zip(layout.prefill, layout.state_slots_chunks):
+            rows = torch.arange(chunk.row, chunk.row + chunk.count, device=hidden_states.device)
+            run(rows, hidden_states[:, chunk.row:chunk.row + chunk.count], slot, int(chunk.q_pos[0]) > 0)
+        if out is None:  # a row of padding only (nothing of a sequence to compute)
+            return super().forward(hidden_states, *args, **kwargs)
+        return out
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def stateful(model: nn.Module) -> bool:
+    """Whether :func:`install` gave any module of ``model`` per-sequence state."""
+    return any(type(m) in _CLASSES.values() for m in model.modules())
+
+
+def install(model: nn.Module) -> int:
+    """Give every stateful module of ``model`` (one with a ``layer_idx`` whose forward reads a conv or
+    recurrent state from its cache) the per-sequence forward; returns how many it has (those an
+    earlier call gave it included)."""
+    count = 0
+    for module in model.modules():
+        cls = type(module)
+        if cls in _CLASSES.values():
+            count += 1
+            continue
+        if not isinstance(getattr(module, "layer_idx", None), int) or not _uses_state(cls):
+            continue
+        if cls not in _CLASSES:
+            name = f"PerSequence{cls.__name__}"
+            _CLASSES[cls] = type(name, (_PerSequenceState, cls), {"__module__": __name__})
+            globals()[name] = _CLASSES[cls]
+        module.__class__ = _CLASSES[cls]
+        count += 1
+    return count
