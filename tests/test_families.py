@@ -29,6 +29,8 @@ def _config(family: str, vocab: int = 300):
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0,
                   eos_token_id=0, pad_token_id=0)
+    mamba2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                  mamba_chunk_size=16)  # the Mamba2 mixers of Bamba, Granite-4 hybrid, Falcon-H1
     served = {
         "llama": lambda: T.LlamaConfig(**common),
         "mistral": lambda: T.MistralConfig(**common, sliding_window=WINDOW),
@@ -97,13 +99,44 @@ def _config(family: str, vocab: int = 300):
         "mamba2": lambda: T.Mamba2Config(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
                                          state_size=16, n_groups=1, expand=2, conv_kernel=4, chunk_size=16,
                                          bos_token_id=0, eos_token_id=0, pad_token_id=0),
+        # more hybrids through the same per-sequence state (server.engine.state)
+        "lfm2_moe": lambda: T.Lfm2MoeConfig(**{**common, "num_hidden_layers": 4},
+                                            layer_types=["conv", "full_attention", "conv", "full_attention"],
+                                            num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=32),
+        "olmo_hybrid": lambda: T.OlmoHybridConfig(
+            **{**common, "num_hidden_layers": 4},
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+        "bamba": lambda: T.BambaConfig(**{**common, "num_hidden_layers": 4}, attn_layer_indices=[1, 3], **mamba2),
+        "granitemoehybrid": lambda: T.GraniteMoeHybridConfig(
+            **{**common, "num_hidden_layers": 4}, layer_types=["mamba", "attention", "mamba", "attention"],
+            num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32, **mamba2),
+        # Mamba2 mixers, attention and feed-forward-only layers
+        "nemotron_h": lambda: T.NemotronHConfig(
+            **{**common, "num_hidden_layers": 4}, layers_block_type=["mamba", "attention", "mamba", "mlp"],
+            head_dim=16, ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=1, conv_kernel=4,
+            chunk_size=16, use_mamba_kernels=False),
+        # attention and a Mamba2 mixer side by side in every layer
+        "falcon_h1": lambda: T.FalconH1Config(**common, head_dim=16, mamba_d_ssm=128, **mamba2),
+        # Mamba-1 (its prompt scan starts from zero: later chunks go a token at a time)
+        "mamba": lambda: T.MambaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, state_size=8,
+                                       conv_kernel=4, expand=2, bos_token_id=0, eos_token_id=0, pad_token_id=0),
+        "falcon_mamba": lambda: T.FalconMambaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
+                                                    state_size=8, conv_kernel=4, expand=2, bos_token_id=0,
+                                                    eos_token_id=0, pad_token_id=0),
+        "jamba": lambda: T.JambaConfig(**{**common, "num_hidden_layers": 4}, attn_layer_period=2, attn_layer_offset=1,
+                                       expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+                                       num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                                       use_mamba_kernels=False),
         "falcon_40b": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
                                              num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
                                              bos_token_id=0, eos_token_id=0, pad_token_id=0),
     }
     refused = {
-        "jamba": lambda: T.JambaConfig(**common),
-        "mamba": lambda: T.MambaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2),
+        "zamba2": lambda: T.Zamba2Config(**{**common, "num_hidden_layers": 4}, use_mamba_kernels=False,
+                                         layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
+        "rwkv": lambda: T.RwkvConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2),
         "falcon_rw": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, alibi=True, multi_query=False),
         "t5": lambda: T.T5Config(vocab_size=vocab, d_model=64),
@@ -114,13 +147,15 @@ def _config(family: str, vocab: int = 300):
     return (served.get(family) or refused[family])()
 
 
+STATEFUL = ["lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h",
+            "falcon_h1", "mamba", "falcon_mamba", "jamba"]
+"""The hybrid and state-space families (server.engine.state)."""
 SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "olmo2", "granite",
           "cohere", "gpt_neox", "gpt2", "gpt_oss", "qwen3_moe", "mixtral", "llama_dynamic_rope", "phi3_longrope",
-          "deepseek_v3", "deepseek_v2", "bloom", "mpt", "falcon", "falcon_40b", "lfm2", "qwen3_next",
-          "mamba2"]
+          "deepseek_v3", "deepseek_v2", "bloom", "mpt", "falcon", "falcon_40b", *STATEFUL]
 REFUSED = {
-    "jamba": "recurrent or convolution state",
-    "mamba": "recurrent or convolution state",
+    "zamba2": "recurrent or convolution state",
+    "rwkv": "recurrent or convolution state",
     "falcon_rw": "rounds its bias to bf16",
     "t5": "encoder-decoder",
     "gemma3_dynamic_rope_per_layer_type": "rope_type 'dynamic' for one layer type of several",
@@ -249,7 +284,7 @@ def test_adapted_attention_is_each_sequences_own(family, without, monkeypatch):
     assert served(64)[0] != expected  # the test can tell
 
 
-@pytest.mark.parametrize("family", ["lfm2", "qwen3_next", "mamba2"])
+@pytest.mark.parametrize("family", STATEFUL)
 def test_recurrent_state_is_each_sequences_own(family, monkeypatch):
     """A hybrid's per-sequence state (server.engine.state): prompts of several lengths chunked
     (8 tokens a step: the state carried across chunks) and packed together with decodes, one
@@ -264,7 +299,7 @@ def test_recurrent_state_is_each_sequences_own(family, monkeypatch):
     torch.manual_seed(0)
     config = _config(family)
     # the short convolutions' projections scaled up: a random model's tokens then depend on its states
-    model = _sharp(AutoModelForCausalLM.from_config(config), ("in_proj", "out_proj", "conv"), 4.0).eval()
+    model = _sharp(AutoModelForCausalLM.from_config(config), ("in_proj", "out_proj", "conv", "conv1d"), 4.0).eval()
     reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     reference.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(3)
@@ -371,7 +406,7 @@ def _write(family: str, path) -> str:
 PROMPTS = ["Once upon a time there was a server that never hung, and it served every request",
            "The quick brown fox jumps over the lazy dog while the ranks gather their shards"]
 NEW_TOKENS = 10
-THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3", "bloom", "lfm2"]
+THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3", "bloom", "lfm2", "qwen3_next", "jamba"]
 """The families also served through HTTP: plain attention; soft-capping with alternating windows;
 experts; multi-head latent attention (its latents cached: /info says what a token costs); ALiBi
 through an adapter (server.engine.adapters); a hybrid's per-sequence state (server.engine.state:
@@ -532,14 +567,14 @@ def test_moe_checkpoint_in_hub_layout_loads_with_a_share_of_the_bytes(family, tm
 
 
 def test_refused_before_anything_is_read(tmp_path):
-    """A hybrid checkpoint (its config alone: there are no weights to read) fails in one line."""
-    path = tmp_path / "jamba"
-    _config("jamba").save_pretrained(path)
+    """A hybrid checkpoint still refused (its config alone: there are no weights to read) fails in one line."""
+    path = tmp_path / "zamba2"
+    _config("zamba2").save_pretrained(path)
     proc = subprocess.run([sys.executable, "-m", "server", "--model", str(path), "--device", "cpu"], cwd=REPO,
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hsdp-serve: ")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
-    assert errors[0].startswith("hsdp-serve: JambaForCausalLM is not served: its layers carry recurrent")
+    assert errors[0].startswith("hsdp-serve: Zamba2ForCausalLM is not served: its layers carry recurrent")
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])

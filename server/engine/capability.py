@@ -51,7 +51,8 @@ def check_servable(config, model_class=None) -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(architecture, "encoder-decoder models are not decoder-only")
     model_type = getattr(text, "model_type", "") or getattr(config, "model_type", "")
-    from server.engine.state import SERVED_STATEFUL_MODEL_TYPES, STATEFUL_LAYER_TYPES
+    from server.engine.state import HYBRID_LAYER_TYPES, MIXERLESS_LAYER_TYPES, SERVED_STATEFUL_MODEL_TYPES, \
+        STATEFUL_LAYER_TYPES
 
     stateful = model_type in SERVED_STATEFUL_MODEL_TYPES
     if model_type in STATEFUL_MODEL_TYPES and not stateful:
@@ -59,7 +60,8 @@ def check_servable(config, model_class=None) -> None:
             architecture, "its layers carry recurrent or convolution state between tokens, which the engine keeps per "
             f"sequence only for the families tested with it ({', '.join(sorted(SERVED_STATEFUL_MODEL_TYPES))})")
     layer_types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ()
-    computed = ATTENTION_LAYER_TYPES | (STATEFUL_LAYER_TYPES if stateful else frozenset())
+    computed = ATTENTION_LAYER_TYPES | (STATEFUL_LAYER_TYPES | HYBRID_LAYER_TYPES | MIXERLESS_LAYER_TYPES
+                                        if stateful else frozenset())
     if other := sorted(set(layer_types) - computed):
         raise UnsupportedModelError(
             architecture, f"layer types {other} are not computed by the engine (it computes full and sliding-window "

@@ -25,7 +25,8 @@ from server.engine.attention import PagedKVCache, PagedLayout, use_paged_attenti
 from server.engine.plan import PromptLogprobs, SequenceAdd, StepPlan, StepResult, TokenResult, Work
 from server.engine.adapters import install as install_adapters, kv_heads as adapted_kv_heads
 from server.engine.capability import ATTENTION_LAYER_TYPES
-from server.engine.state import StatePool, install as install_state, is_stateful_config, state_shapes
+from server.engine.state import HYBRID_LAYER_TYPES, StatePool, install as install_state, is_stateful_config, \
+    state_shapes
 from server.engine.mla import install as install_mla, is_mla, latent_geometry
 from server.engine.rope import install as install_rope, sequence_lengths, token_lengths
 from server.engine.sampling import BatchSampler, Row, RowMasks
@@ -82,7 +83,8 @@ class KVGeometry:
                        value_dim=value_dim, values_in_keys=True)
         kv_layers = None
         if is_stateful_config(config):  # a hybrid: only its attention layers cache keys and values
-            kv_layers = tuple(i for i, t in enumerate(config.layer_types) if t in ATTENTION_LAYER_TYPES)
+            cached = ATTENTION_LAYER_TYPES | HYBRID_LAYER_TYPES
+            kv_layers = tuple(i for i, t in enumerate(config.layer_types) if t in cached)
             if not kv_layers:  # a state-space model: no attention at all
                 return cls(num_layers=config.num_hidden_layers, kv_heads=1, head_dim=1, dtype=dtype, kv_layers=())
         heads = config.num_attention_heads

@@ -1,7 +1,8 @@
 """Per-sequence recurrent state beside the paged KV cache: hybrid and state-space families.
 
-transformers' stateful layers (LFM2's short convolutions, Qwen3-Next's gated delta-net, Mamba2's
-and the Mamba hybrids' mixers) keep a convolution window and a recurrent (SSM or delta-net) state
+transformers' stateful layers (LFM2's short convolutions, Qwen3-Next's and OLMo-Hybrid's gated
+delta-net, the Mamba-1 and Mamba2 mixers of Mamba, Jamba, Bamba, Granite-4 hybrid, Nemotron-H,
+Falcon-H1) keep a convolution window and a recurrent (SSM or delta-net) state
 per sequence in their cache, through one interface: ``get_conv_state`` / ``update_conv_state`` /
 ``get_recurrent_state`` / ``update_recurrent_state`` / ``is_recording_past``, the semantics of
 ``transformers.cache_utils.LinearAttentionLayer``. Their code assumes a batch of sequences of
@@ -21,8 +22,9 @@ equal length; the engine packs sequences of every length into one row. So:
   ``LinearAttentionLayer`` loaded with those sequences' states (none for a chunk that starts a
   prompt: the module's own prefill path then starts them), whose updated states go back to their
   slots after. Chunked prefill carries the state across chunks (a later chunk finds its state, as
-  transformers' own continuation does); a preempted sequence recomputes from its prompt, its
-  first chunk starting a fresh state.
+  transformers' own continuation does; Mamba-1's prompt scan takes no initial state, so its later
+  chunks go a token at a time through the mixer's recurrent form: :func:`_scans_from_zero`); a
+  preempted sequence recomputes from its prompt, its first chunk starting a fresh state.
 * A stateful model does not reuse prefixes (``server.main`` turns prefix caching off for it): a
   cached block holds keys and values, not the state after it.
 
@@ -43,10 +45,17 @@ STATE_KINDS = ("conv", "recurrent")
 MAX_STATES = 4
 """State indices a layer may use (``state_idx``): transformers' hybrids use 0 (and 1 for a second
 convolution in some)."""
-SERVED_STATEFUL_MODEL_TYPES = frozenset({"lfm2", "lfm2_moe", "qwen3_next", "mamba2"})
-"""Stateful families the engine serves (tested against transformers' generate)."""
+SERVED_STATEFUL_MODEL_TYPES = frozenset({
+    "lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1",
+    "mamba", "falcon_mamba", "jamba",
+})
+"""Stateful families the engine serves (each tested against transformers' generate)."""
 STATEFUL_LAYER_TYPES = frozenset({"conv", "linear_attention", "mamba"})
 """``layer_types`` entries of layers whose state :class:`StatePool` keeps."""
+HYBRID_LAYER_TYPES = frozenset({"hybrid"})
+"""Layers with attention and a stateful mixer side by side (Falcon-H1): cached keys and values, and a state."""
+MIXERLESS_LAYER_TYPES = frozenset({"mlp", "moe"})
+"""Layers that mix nothing across tokens (Nemotron-H's feed-forward layers): neither cache nor state."""
 
 
 def is_stateful_config(config) -> bool:
@@ -233,16 +242,30 @@ class _SegmentCache:
                 self.pool.scatter(self.layer_idx, "recurrent", i, self.slots, self.state.recurrent_states[i])
 
 
-def _uses_state(cls: type) -> bool:
+def _forward_source(cls: type) -> str:
     try:
-        source = inspect.getsource(cls.forward)
+        return inspect.getsource(cls.forward)
     except (OSError, TypeError):
-        return False
+        return ""
+
+
+def _uses_state(cls: type) -> bool:
+    source = _forward_source(cls)
     return "get_conv_state" in source or "get_recurrent_state" in source
+
+
+def _scans_from_zero(cls: type) -> bool:
+    """Whether the module's prompt path cannot start from a state: Mamba-1's selective scan
+    (``mamba_selective_scan``: Mamba, Falcon-Mamba, Jamba) takes no initial state, since
+    transformers' generate never continues a prompt. A later chunk of such a module's prompt then
+    goes through its one-token recurrent form, a token at a time."""
+    return "mamba_selective_scan(" in _forward_source(cls)
 
 
 class _PerSequenceState:
     """Mixed into a stateful module's class by :func:`install` (the module docstring)."""
+
+    _continues_one_token_at_a_time = False  # (:func:`_scans_from_zero`)
 
     def forward(self, hidden_states, *args, **kwargs):
         from server.engine.attention import PagedKVCache
@@ -275,8 +298,13 @@ class _PerSequenceState:
                     run(rows, hidden_states[0].index_select(0, rows).unsqueeze(1),
                         layout.state_slots_S.index_select(0, index), previous)
         for chunk, slot in zip(layout.prefill, layout.state_slots_chunks):
+            previous = int(chunk.q_pos[0]) > 0
+            if previous and self._continues_one_token_at_a_time:
+                for row in range(chunk.row, chunk.row + chunk.count):
+                    run(torch.tensor([row], device=hidden_states.device), hidden_states[:, row:row + 1], slot, True)
+                continue
             rows = torch.arange(chunk.row, chunk.row + chunk.count, device=hidden_states.device)
-            run(rows, hidden_states[:, chunk.row:chunk.row + chunk.count], slot, int(chunk.q_pos[0]) > 0)
+            run(rows, hidden_states[:, chunk.row:chunk.row + chunk.count], slot, previous)
         if out is None:  # a row of padding only (nothing of a sequence to compute)
             return super().forward(hidden_states, *args, **kwargs)
         return out
@@ -304,7 +332,8 @@ def install(model: nn.Module) -> int:
             continue
         if cls not in _CLASSES:
             name = f"PerSequence{cls.__name__}"
-            _CLASSES[cls] = type(name, (_PerSequenceState, cls), {"__module__": __name__})
+            _CLASSES[cls] = type(name, (_PerSequenceState, cls), {
+                "__module__": __name__, "_continues_one_token_at_a_time": _scans_from_zero(cls)})
             globals()[name] = _CLASSES[cls]
         module.__class__ = _CLASSES[cls]
         count += 1
