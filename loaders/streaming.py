@@ -205,7 +205,7 @@ class _StreamingLoad:
         self.skipped: list[str] = []  # checkpoint tensors the model does not use, as from_pretrained skips them
         self.layout = describe_layout(model)
         # transformers' own renamings and conversions (fused experts, say), planned from the keys
-        self.conversions = plan_conversions(model, files.tensors)
+        self.conversions = plan_conversions(model, files.tensors, self.layout.expected)
         self.strip, self.add = match_key_prefix(model, self.conversions.model_keys, set(self.layout.expected))
         shard_mesh = context.mesh["shard"]
         self.shard_size, self.shard_rank = shard_mesh.size(), shard_mesh.get_local_rank()

@@ -662,3 +662,29 @@ def test_hybrid_answers_32_concurrent_requests_exactly_under_a_small_kv_budget(t
              if line.startswith("hsdp_rank_memory_bytes") and 'kind="state_pool"' in line]
     assert pools == [16 * per_sequence] * 2, pools
     assert 16 * per_sequence + 4 * 16 * 512 <= 56 * 1024
+
+
+def test_a_checkpoint_in_the_models_own_names_is_planned_without_conversion_tables(tmp_path, monkeypatch):
+    """Every tensor under a model tensor's name and shape: nothing to convert, and transformers'
+    conversion tables (about a thousand patterns compiled at their first use) are not consulted;
+    the Hub's per-expert layout still goes through them and converts."""
+    import transformers.conversion_mapping as mapping
+    from transformers import AutoModelForCausalLM
+
+    from loaders.checkpoint import list_checkpoint_files, load_config
+    from loaders.conversion import plan_conversions
+    from loaders.skeleton import build_skeleton, describe_layout
+
+    llama, moe = _write("llama", tmp_path / "llama"), _write("qwen3_moe", tmp_path / "qwen3_moe")
+    consulted = []
+    real = mapping.get_model_conversion_mapping
+    monkeypatch.setattr(mapping, "get_model_conversion_mapping",
+                        lambda model, *a, **k: consulted.append(type(model).__name__) or real(model, *a, **k))
+    plans = {}
+    for name, path in (("llama", llama), ("qwen3_moe", moe)):
+        files = list_checkpoint_files(path)
+        model = build_skeleton(load_config(path), AutoModelForCausalLM, torch.float32)
+        plans[name] = plan_conversions(model, files.tensors, describe_layout(model).expected)
+    assert not plans["llama"].targets and all(k == v for k, v in plans["llama"].renamed.items())
+    assert plans["qwen3_moe"].targets  # per-expert tensors fused as from_pretrained fuses them
+    assert consulted == ["Qwen3MoeForCausalLM"]
