@@ -462,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(methods) - set(METHODS + S3_METHODS):
         parser.error(f"unknown methods {sorted(unknown)}; choose from {METHODS + S3_METHODS}")
 
+    # the ranks are this host's, as the server's launcher tells them (the loader's reads ahead count idle cores)
+    os.environ["LOCAL_WORLD_SIZE"] = str(args.nproc)
     model_dir = os.path.abspath(args.model or generate_checkpoint(args.out_dir))
     info = describe_checkpoint(model_dir)
     log(f"{model_dir}: {info}; warmed {warm_page_cache(model_dir) / 1e9:.2f} GB of page cache")

@@ -226,7 +226,8 @@ class ServeConfig:
         choices=QUANTIZE_ON_LOAD)
     read_mode: str = option("sliced", "sliced: each rank reads only its own rows; full: whole tensors", "model",
                             choices=READ_MODES)
-    load_concurrency: int = option(8, "ranged GETs a rank runs at once for a large read of an s3:// checkpoint",
+    load_concurrency: int = option(8, "reads a rank keeps in flight: ranged GETs of an s3:// checkpoint; "
+                                      "reads ahead of a local one where the host has cores its ranks leave idle",
                                    "model", type=int, metavar="N")
 
     nproc_per_node: int | None = option(

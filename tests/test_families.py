@@ -688,3 +688,20 @@ def test_a_checkpoint_in_the_models_own_names_is_planned_without_conversion_tabl
     assert not plans["llama"].targets and all(k == v for k, v in plans["llama"].renamed.items())
     assert plans["qwen3_moe"].targets  # per-expert tensors fused as from_pretrained fuses them
     assert consulted == ["Qwen3MoeForCausalLM"]
+
+
+def test_local_reads_go_ahead_only_where_the_host_has_idle_cores(monkeypatch):
+    """``--load-concurrency`` reads of a local file ahead of the tensor being sharded where the host
+    has more cores than local ranks (measured faster there), none where the ranks fill them."""
+    import os as _os
+
+    from loaders.streaming import local_read_ahead
+
+    monkeypatch.setattr(_os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert local_read_ahead(8) == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert local_read_ahead(8) == 0
+    monkeypatch.setattr(_os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert local_read_ahead(4) == 4
