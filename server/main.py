@@ -261,16 +261,16 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
     # a rank runs at most its step group's share of the concurrent sequences (_build_router): a stateful model
     # keeps that many state slots, out of the KV cache's budget (server.engine.state)
     max_sequences = _group_share(cfg.max_concurrent_requests, len(_step_groups(mesh_shape, residency)))
-    state_bytes = 0
-    if is_stateful_config(loaded.config):
-        state_bytes = max_sequences * bytes_per_sequence(state_shapes(loaded.model))
+    states_per_sequence = state_shapes(loaded.model) if is_stateful_config(loaded.config) else None
+    state_bytes = max_sequences * bytes_per_sequence(states_per_sequence) if states_per_sequence else 0
     available = size_kv_pool(cfg.kv_cache_memory, geometry, cfg.kv_block_size, device, state_bytes=state_bytes)
     # every rank, once; also the barrier between measuring free memory and allocating the pools
     per_rank = wire.all_gather([loaded.stats.bytes_read, extra, available])
     if loaded.stats.quantized_layers:  # every rank loads the same checkpoint: all or none gather
         group.quantized = wire.all_gather(quantized_bytes)
     engine = RankEngine(loaded.model, device, dist.get_rank(), num_blocks=available, block_size=cfg.kv_block_size,
-                        tokenizer=loaded.tokenizer, max_sequences=max_sequences)
+                        tokenizer=loaded.tokenizer, max_sequences=max_sequences,
+                        states_per_sequence=states_per_sequence)
     if cfg.compile == "decode":
         if state is not None:
             state.set_phase("compiling")

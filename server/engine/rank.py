@@ -25,8 +25,8 @@ from server.engine.attention import PagedKVCache, PagedLayout, use_paged_attenti
 from server.engine.plan import PromptLogprobs, SequenceAdd, StepPlan, StepResult, TokenResult, Work
 from server.engine.adapters import install as install_adapters, kv_heads as adapted_kv_heads
 from server.engine.capability import ATTENTION_LAYER_TYPES
-from server.engine.state import HYBRID_LAYER_TYPES, StatePool, install as install_state, is_stateful_config, \
-    state_shapes
+from server.engine.state import HYBRID_LAYER_TYPES, StatePool, StateShapes, install as install_state, \
+    is_stateful_config, state_shapes
 from server.engine.mla import install as install_mla, is_mla, latent_geometry
 from server.engine.rope import install as install_rope, sequence_lengths, token_lengths
 from server.engine.sampling import BatchSampler, Row, RowMasks
@@ -152,7 +152,7 @@ class RankEngine:
     every rank of a step group calls it for every plan, so that their forwards' collectives match."""
 
     def __init__(self, model: nn.Module, device: torch.device, rank: int, *, num_blocks: int, block_size: int,
-                 tokenizer=None, max_sequences: int = 64):
+                 tokenizer=None, max_sequences: int = 64, states_per_sequence: StateShapes | None = None):
         self.model, self.device, self.rank = model, device, rank
         self.tokenizer = tokenizer  # for grammars (constrained decoding), built at their first use
         self._grammar_rows = None
@@ -166,8 +166,12 @@ class RankEngine:
         install_mla(model)  # multi-head latent attention over cached latents, where the model has it
         install_adapters(model)  # Bloom's, MPT's and Falcon's own attention code: adapters onto the paged attention
         # hybrid and state-space families: each sequence's conv and recurrent states in a slot of their own, one
-        # for each of the ``max_sequences`` this rank runs at most (server.engine.state)
-        self.states = StatePool(device, state_shapes(model), max_sequences) if install_state(model) else None
+        # for each of the ``max_sequences`` this rank runs at most (server.engine.state); ``states_per_sequence``:
+        # their shapes where the caller probed them already (server.main, sizing the KV pool)
+        self.states = None
+        if install_state(model):
+            shapes = states_per_sequence if states_per_sequence is not None else state_shapes(model)
+            self.states = StatePool(device, shapes, max_sequences)
         self.cache.states = self.states
         self.sampler = BatchSampler()
         self.sequences: dict[int, _Sequence] = {}

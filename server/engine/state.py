@@ -41,7 +41,6 @@ import math
 import torch
 from torch import nn
 
-STATE_KINDS = ("conv", "recurrent")
 MAX_STATES = 4
 """State indices a layer may use (``state_idx``): transformers' hybrids use 0 (and 1 for a second
 convolution in some)."""
@@ -132,7 +131,7 @@ class StatePool:
     ``capacity`` slots of each state in ``shapes`` (:func:`state_shapes`), allocated at once."""
 
     def __init__(self, device: torch.device, shapes: StateShapes, capacity: int):
-        self.device, self.capacity = device, capacity
+        self.capacity = capacity
         self.slot_of: dict[int, int] = {}
         self._started: set[int] = set()  # sequences whose state exists (their first chunk computed)
         self._free = list(range(capacity - 1, -1, -1))
