@@ -33,6 +33,10 @@ that do not need its result still run:
 11. ``cpu_offload`` ``HSDPInferenceConfig(cpu_offload=True)``: shards in host memory, same tokens
 12. ``quantized``   FP8-block, W4A16 and W8A8 tiny checkpoints loaded on the device (float32): greedy
                    tokens equal to transformers' (``loaders.quantization``'s device path)
+13. ``peer_transfer`` ``shard_engine.transfer`` over NCCL between two processes on cuda:0 and cuda:1
+                   (``--load-from-peer``'s path between GPU groups): rows from a 2-shard sender into a
+                   1-shard receiver, values and device checksums checked; skipped with one GPU (NCCL
+                   takes one rank per GPU); on gloo between two CPU processes in ``--dry-run``
 
 Writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out`` after every phase, so a run cut
 short still leaves what it measured.
@@ -738,6 +742,53 @@ def _phase_quantized(p: dict, run: Run) -> None:
         raise AssertionError(f"quantized greedy tokens differ from transformers' in {failures}")
 
 
+def _peer_rank(index: int, port: int, backend: str, out: str) -> None:
+    """One side of phase peer_transfer: transfer rank 0 sends (two shards' rows in one process: its
+    held rows are both shards'), rank 1 receives; each writes what it saw."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from shard_engine import transfer
+
+    device = torch.device("cuda", index) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=index == 0, timeout=datetime.timedelta(seconds=60))
+    slots = [transfer.Slot("w", (1000, 512), "bfloat16", True), transfer.Slot("b", (7,), "float32", False)]
+    gen = torch.Generator().manual_seed(0)
+    whole = {"w": torch.randn(1000, 512, generator=gen).to(torch.bfloat16), "b": torch.randn(7, generator=gen)}
+    group = transfer.open_transfer_group(store, "gpu-check", index, 2, backend, 60, device if backend == "nccl" else None)
+    plan = transfer.transfer_plan(slots, (1, 1), (1, 1))
+    if index == 0:
+        held = {name: (t.to(device), 0) for name, t in whole.items()}
+        result = {"sent": transfer.send_pieces(group, 0, slots, plan, held)}
+    else:
+        got = {name: t.cpu() for name, t in transfer.receive_pieces(group, 1, slots, plan, device)}
+        result = {"equal": all(torch.equal(got[n], whole[n]) for n in whole)}
+    with open(f"{out}/peer-{index}.json", "w") as f:
+        json.dump(result, f)
+
+
+def _phase_peer_transfer(p: dict, run: Run) -> None:
+    import torch.multiprocessing as mp
+
+    from tests.server_process import free_port
+
+    backend = "gloo" if run.dry else "nccl"
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        p["skipped"] = f"needs 2 GPUs (NCCL takes one rank per GPU); {torch.cuda.device_count()} visible"
+        return
+    out = tempfile.mkdtemp(prefix="gpu-check-peer-")
+    start = time.perf_counter()
+    mp.start_processes(_peer_rank, args=(free_port(), backend, out), nprocs=2, join=True, start_method="spawn")
+    p["backend"], p["seconds"] = backend, round(time.perf_counter() - start, 3)
+    with open(f"{out}/peer-0.json") as f0, open(f"{out}/peer-1.json") as f1:
+        p["sender"], p["receiver"] = json.load(f0), json.load(f1)
+    if not p["receiver"]["equal"]:
+        raise AssertionError("the rows received differ from those sent")
+
+
 @dataclass
 class Run:
     """What the phases share: this run's settings, and what earlier phases leave in ``state``."""
@@ -819,7 +870,7 @@ def main(argv=None) -> int:
     if run.device is not None and run.device.type == "cuda":
         torch.cuda.empty_cache()
     for name, phase in (("parity_fp32", _phase_parity_fp32), ("cpu_offload", _phase_cpu_offload),
-                        ("quantized", _phase_quantized)):
+                        ("quantized", _phase_quantized), ("peer_transfer", _phase_peer_transfer)):
         with report.phase(name) as p:
             phase(p, run)
 

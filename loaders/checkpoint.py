@@ -30,6 +30,44 @@ class CheckpointFiles:
     def total_bytes(self) -> int:
         return sum(info.nbytes for _, info in self.tensors.values())
 
+    def fingerprint(self, samples: int = 64, sample_bytes: int = 4096) -> str:
+        """SHA-256 of what identifies the checkpoint wherever it is mounted: config.json's bytes,
+        every tensor's key, dtype, shape and place in its file (by the file's name, not its path),
+        and the first ``sample_bytes`` of ``samples`` tensors spread over the keys (a fine-tune
+        saved like its base has the same headers, not the same values). Two copies of one
+        checkpoint agree; a few small reads, never the weights (a peer's rows are checked by
+        their checksums as they arrive: ``shard_engine.transfer``)."""
+        import hashlib
+
+        from loaders.safetensors_io import read_bytes
+
+        digest = hashlib.sha256()
+        config = os.path.join(self.directory, "config.json")
+        if os.path.isfile(config):
+            with open(config, "rb") as f:
+                digest.update(f.read())
+        keys = sorted(self.tensors)
+        for key in keys:
+            path, info = self.tensors[key]
+            digest.update(f"{key}|{os.path.basename(path)}|{info.dtype}|{list(info.shape)}|{info.start}|"
+                          f"{info.nbytes}\n".encode())
+        picked = keys[::max(1, -(-len(keys) // samples))]
+        for key in picked:
+            path, info = self.tensors[key]
+            nbytes = min(info.nbytes, sample_bytes)
+            if not nbytes:
+                continue
+            remote = self.remote.get(path)
+            if remote is not None:
+                digest.update(read_bytes(remote, info.start, nbytes, path=path))
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                digest.update(read_bytes(fd, info.start, nbytes, path=path))
+            finally:
+                os.close(fd)
+        return digest.hexdigest()
+
     def dominant_dtype(self) -> torch.dtype | None:
         counts: dict[torch.dtype, int] = {}
         for _, info in self.tensors.values():

@@ -62,13 +62,17 @@ class UnsupportedQuantizationError(CheckpointError):
     (``loaders.quantization.formats`` lists what it does); raised before any weight is read."""
 
 
+class PeerLoadError(CheckpointError):
+    """Loading from a peer group (``loaders.peer``) failed or was refused; storage is the fallback."""
+
+
 class RemoteRankError(CheckpointError):
     """Loading failed on another rank; this rank stops too instead of waiting in a collective."""
 
 
 ERROR_CLASSES = {cls.__name__: cls for cls in (
     CheckpointError, MissingConfigError, MissingTokenizerError, CorruptFileError, MissingTensorError,
-    UnexpectedTensorError, ShapeMismatchError, DTypeMismatchError, UnsupportedQuantizationError, RemoteRankError,
+    UnexpectedTensorError, ShapeMismatchError, DTypeMismatchError, UnsupportedQuantizationError, PeerLoadError, RemoteRankError,
 )}
 """The errors a rank may rebuild from another rank's record, by class name."""
 

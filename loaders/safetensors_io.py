@@ -124,6 +124,21 @@ def parse_header(raw: bytes, size: int, path: str) -> dict[str, TensorInfo]:
     return infos
 
 
+def read_bytes(source, offset: int, nbytes: int, *, path: str) -> bytes:
+    """``nbytes`` bytes of a file from ``offset``: ``source`` a file descriptor or a RemoteFile."""
+    out = bytearray(nbytes)
+    if not isinstance(source, int):
+        source.readinto(memoryview(out), offset, 1)
+        return bytes(out)
+    done = 0
+    while done < nbytes:
+        n = os.preadv(source, [memoryview(out)[done:]], offset + done)
+        if n <= 0:
+            raise CorruptFileError("unexpected end of file while reading", path=path)
+        done += n
+    return bytes(out)
+
+
 def read_rows(source, info: TensorInfo, start: int, stop: int, *, path: str, pin_memory: bool = False,
               concurrency: int = 8) -> torch.Tensor:
     """Rows ``[start, stop)`` of ``info`` along dim 0 (the whole tensor when it has no dims), into

@@ -37,6 +37,8 @@ class LoadStats:
     checkpoint_bytes: int = 0
     quantized_layers: dict = field(default_factory=dict)  # {format description: layers} of a quantized checkpoint
     bytes_read: int = 0
+    bytes_received: int = 0
+    """Bytes received from a peer group instead of read (``loaders.peer``)."""
     files_read: int = 0
     tensors_read: int = 0
     tensors_converted: int = 0

@@ -8,6 +8,7 @@ No collective runs while files are read: ranks only agree, twice, that no rank f
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -52,6 +53,7 @@ from shard_engine import (
     shard_hsdp_module,
 )
 from shard_engine.torch_private import set_buffer, set_parameter
+from shard_engine.transfer import Slot, shard_rows
 
 logger = logging.getLogger(__name__)
 READ_MODES = ("sliced", "full")
@@ -64,6 +66,14 @@ class LoadedModel:
     config: object
     stats: LoadStats
     context: HSDPShardContext
+    manifest: list[Slot] = field(default_factory=list)  # what a peer group may receive (loaders.peer)
+    files: object | None = field(default=None, repr=False)  # loaders.checkpoint.CheckpointFiles
+    source: str = "storage"  # where the rows came from: "storage", or "peer" (loaders.peer)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The checkpoint's (``CheckpointFiles.fingerprint``: a few small reads, the first time)."""
+        return self.files.fingerprint()
 
 
 @dataclass(eq=False)
@@ -78,13 +88,6 @@ class _Unit:
 
     def owns(self, fqn: str) -> bool:
         return not self.name or fqn == self.name or fqn.startswith(self.name + ".")
-
-
-def shard_rows(num_rows: int, shard_size: int, shard_rank: int) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of dim 0 that FSDP2 places on ``shard_rank`` (torch.chunk split)."""
-    chunk = -(-num_rows // shard_size)
-    start = min(shard_rank * chunk, num_rows)
-    return start, min(start + chunk, num_rows)
 
 
 def _resolve_dtype(dtype, config, files, device: torch.device) -> tuple[torch.dtype, bool]:
@@ -431,6 +434,36 @@ class _StreamingLoad:
         if not unit.remaining:
             self._complete(unit)
 
+    # -- from a peer group (loaders.peer) -----------------------------------------------------
+    def manifest(self) -> list[Slot]:
+        """Every tensor this load delivers, in the model's order (its units complete in turn)."""
+        return [Slot(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), self._is_sharded(name))
+                for name, t in self.layout.expected.items()]
+
+    def deliver_received(self, name: str, rows: torch.Tensor, done: int, total: int) -> None:
+        """This rank's rows of ``name`` as a peer sent them (shape and dtype as the manifest says)."""
+        if not self.stats.bytes_received:  # units with nothing to receive (all tied, say) complete at once
+            for unit in self.units:
+                if not unit.done and not unit.remaining and not unit.children:
+                    self._complete(unit)
+        self.stats.bytes_received += rows.numel() * rows.element_size()
+        self.stats.tensors_read += 1
+        self._deliver(name, rows)
+        if self.progress is not None:
+            self.progress(done, total)
+
+    def finish_received(self) -> None:
+        for unit in self.units:
+            if not unit.done and not unit.remaining and not unit.children:
+                self._complete(unit)
+        missing = sorted(set().union(*(u.remaining for u in self.units)))
+        if missing:
+            raise MissingTensorError(f"{len(missing)} tensor(s) never arrived from the peer, first: {missing[:5]}",
+                                     tensor=missing[0])
+        assert self.root.done, "every tensor arrived but the root was not sharded"
+        if self.context.target_device.type == "cuda":
+            torch.cuda.synchronize(self.context.target_device)
+
     # -- conversions -----------------------------------------------------------------------
     def _read_source(self, fd: int, path: str, key: str, info, target: ConversionTarget) -> None:
         """One checkpoint tensor feeding a conversion: read where this rank needs it (a row-local
@@ -600,6 +633,7 @@ def load_hsdp_model(
     require_tokenizer: bool = False,
     load_concurrency: int = 8,
     quantize: str | None = None,
+    peer: Callable[[dict], object] | None = None,
 ) -> LoadedModel:
     """Load a safetensors checkpoint straight into an HSDP-sharded model: a local directory, or
     one an ``s3://`` URL resolved to (:mod:`loaders.sources.s3`), whose weights every rank then
@@ -673,20 +707,28 @@ def load_hsdp_model(
                 model, context, files, read_mode=read_mode, may_cast=may_cast, stats=stats, progress=progress,
                 load_concurrency=load_concurrency,
             )
-            load.run()
+            if peer is not None:
+                from loaders.peer import receive_from_peer
+
+                receive_from_peer(load, peer, files, hsdp_config.resolve_mesh_shape(world_size), device)
+            else:
+                load.run()
     except Exception as e:  # noqa: BLE001
         error = e
-    _agree(error, "streaming")
+    _agree(error, "streaming" if peer is None else "the transfer from a peer")
     stats.phase_seconds["shard"] = stats.phase_seconds.get("shard", 0.0)
     stats.phase_seconds["total"] = sum(v for k, v in stats.phase_seconds.items() if k != "shard")
     stats.finish(device)
     if _is_rank_zero():
         logger.info(
-            "loaded %s: %.1f MB read by rank 0 of %.1f MB in %.2f s, %d units sharded",
+            "loaded %s: %.1f MB %s by rank 0 of %.1f MB in %.2f s, %d units sharded",
             model_dir,
-            stats.bytes_read / 1e6,
+            (stats.bytes_read if peer is None else stats.bytes_received) / 1e6,
+            "read" if peer is None else "received from a peer group",
             stats.checkpoint_bytes / 1e6,
             stats.phase_seconds["total"],
             stats.units_sharded,
         )
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, stats=stats, context=context)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, stats=stats, context=context,
+                       manifest=load.manifest(), files=files,
+                       source="peer" if peer is not None else "storage")

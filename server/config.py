@@ -229,6 +229,14 @@ class ServeConfig:
     load_concurrency: int = option(8, "reads a rank keeps in flight: ranged GETs of an s3:// checkpoint; "
                                       "reads ahead of a local one where the host has cores its ranks leave idle",
                                    "model", type=int, metavar="N")
+    load_from_peer: str | None = option(
+        None, "receive the weights from a running hsdp-serve that serves the same checkpoint with --share-weights "
+        "(its URL; the API key, if any, is this server's own): each rank gets its rows from the peer's ranks that "
+        "hold them; the checkpoint's config and headers are still read here, and any failure or refusal falls back "
+        "to reading it", "model", metavar="URL")
+    share_weights: bool = option(
+        False, "let a server started with --load-from-peer (holding the API key) receive this one's weights from its "
+        "ranks while they serve", "model", switch=True)
 
     nproc_per_node: int | None = option(
         None, "ranks on this node: a number, or auto (one per visible GPU on cuda, 2 on cpu); torchrun decides "
@@ -329,6 +337,9 @@ class ServeConfig:
                                        "timeouts", flag="--shutdown-timeout", type=float, metavar="S")
     collective_timeout_s: float = option(600.0, "bound on any single collective", "timeouts",
                                          flag="--collective-timeout", type=float, metavar="S")
+    peer_timeout_s: float = option(60.0, "a transfer of weights from or to a peer group (--load-from-peer, "
+                                   "--share-weights) waiting this long for a rank is abandoned; the receiver then "
+                                   "reads storage", "timeouts", flag="--peer-timeout", type=float, metavar="S")
 
     prefetch_depth: int = option(2, "units whose all-gathers each unit's forward starts ahead; 0: none", "speed",
                                  type=int, metavar="N")
@@ -399,7 +410,7 @@ class ServeConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "slow_reader_timeout_s",
-                     "liveness_timeout_s"):
+                     "liveness_timeout_s", "peer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be positive")
         if self.api_key is not None:
@@ -418,6 +429,8 @@ class ServeConfig:
             raise ValueError(f"--kv-block-size must be in 1..1024, got {self.kv_block_size}")
         if self.max_batch_prefill_tokens is not None and self.max_batch_prefill_tokens < 1:
             raise ValueError(f"--max-batch-prefill-tokens must be >= 1, got {self.max_batch_prefill_tokens}")
+        if self.load_from_peer is not None and not self.load_from_peer.startswith(("http://", "https://")):
+            raise ValueError(f"--load-from-peer must be an http:// or https:// URL, got {self.load_from_peer!r}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("--served-model-name must not be empty")
 

@@ -167,15 +167,25 @@ def serve_rank(cfg: ServeConfig, source) -> None:
         groups = _step_groups(mesh_shape, group.residency)  # the same on every rank: residency is collective
         channels = control_channels(cfg.collective_timeout_s, groups)
         channel = next(c for c, ranks in zip(channels, groups) if rank in ranks)  # this rank's group's
+        sharing = on_share = None
+        if cfg.share_weights:
+            from server.peer import WeightSharing, share_hook
+
+            if rank == 0:
+                sharing = state.weight_sharing = WeightSharing(loaded.manifest, loaded.fingerprint, mesh_shape,
+                                                               device, cfg.peer_timeout_s, state.metrics)
+            on_share = share_hook(loaded, mesh_shape, rank, sharing)
         if rank == 0:
             scheduler = _build_router(cfg, loaded, groups, per_rank, state, device)
+            if sharing is not None:
+                sharing.router = scheduler
             _open_for_requests(cfg, state, scheduler, loaded, engine, per_rank, group)
         else:
             ignore_stop_signals()
         watchdog = StepWatchdog(cfg.step_timeout_s, on_timeout=lambda why: fail_open_requests(state, scheduler, why))
         watchdog.start()
         drivers = drive_other_groups(state, scheduler, channels, cfg) if rank == 0 else []
-        run_engine_loop(engine, channel, scheduler.schedulers[0] if rank == 0 else None, watchdog)
+        run_engine_loop(engine, channel, scheduler.schedulers[0] if rank == 0 else None, watchdog, on_share)
         for driver in drivers:
             driver.join()
         watchdog.stop()
@@ -223,13 +233,48 @@ def _load(cfg: ServeConfig, source, hsdp, device, state, rank: int):
     from server.group.memory import release_freed_memory
 
     check_servable(load_config(source.path))  # again under torchrun, where no launcher ran it
-    loaded = load_hsdp_model(
-        source.path, hsdp, device=device, dtype=cfg.torch_dtype or "auto", read_mode=cfg.read_mode,
-        progress=load_progress_reporter(state, rank), require_tokenizer=True, load_concurrency=cfg.load_concurrency,
-        quantize=None if cfg.quantization == "none" else cfg.quantization,
-    )
+    arguments = dict(device=device, dtype=cfg.torch_dtype or "auto", read_mode=cfg.read_mode,
+                     progress=load_progress_reporter(state, rank), require_tokenizer=True,
+                     load_concurrency=cfg.load_concurrency, quantize=None if cfg.quantization == "none" else cfg.quantization)
+    weights = {"source": "storage"}
+    loaded = None
+    if cfg.load_from_peer:
+        loaded, weights = _load_from_peer(cfg, source, hsdp, arguments, state)
+    if loaded is None:
+        loaded = load_hsdp_model(source.path, hsdp, **arguments)
     release_freed_memory()  # the load's read buffers (server.group.memory says why)
+    if state is not None:  # (the fingerprint costs a few reads: only where peers compare it)
+        state.weights = dict(weights, phase_seconds={k: round(v, 3) for k, v in loaded.stats.phase_seconds.items()},
+                             **({"fingerprint": loaded.fingerprint} if cfg.share_weights or cfg.load_from_peer else {}))
     return loaded
+
+
+def _load_from_peer(cfg: ServeConfig, source, hsdp, arguments: dict, state):
+    """``--load-from-peer``: the rows from the running group at its URL (``server.peer``); every rank
+    returns (None, why) alike where that failed or was refused, and the caller reads storage."""
+    import gc
+
+    from loaders import load_hsdp_model
+    from loaders.errors import PeerLoadError
+    from server.peer import PeerClient
+    from shard_engine import wire
+
+    client = PeerClient(cfg.load_from_peer, cfg.api_key, cfg.peer_timeout_s)  # (every rank passes it; rank 0 asks)
+    try:
+        loaded = load_hsdp_model(source.path, hsdp, peer=client, **arguments)
+    except PeerLoadError as e:
+        gc.collect()  # what the failed transfer built, before storage's load allocates
+        if dist.get_rank() == 0:
+            logger.warning("loading from storage instead of the peer %s: %s", cfg.load_from_peer, e)
+            if state is not None:
+                state.metrics.peer_transfers.labels("received", "refused" if "refused" in str(e) else "failed").inc()
+        return None, {"source": "storage", "peer": cfg.load_from_peer, "peer_error": str(e)}
+    received = wire.all_gather(loaded.stats.bytes_received)
+    if state is not None:
+        state.metrics.peer_transfers.labels("received", "ok").inc()
+        state.metrics.peer_bytes.labels("received").inc(received[0])
+    return loaded, {"source": "peer", "peer": cfg.load_from_peer, "bytes_received_per_rank": received,
+                    "seconds": round(loaded.stats.phase_seconds["total"], 3)}
 
 
 def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Group, state=None):

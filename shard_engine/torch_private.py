@@ -60,7 +60,7 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
     "FSDPParam": ("_sharded_param_data", "_sharded_local_tensor", "_unsharded_param", "_orig_size",
                   "_contiguous_orig_stride", "_module_info", "all_gather_outputs", "sharded_param",
                   "sharded_size", "padded_sharded_param_size", "fsdp_placement", "mesh_info", "mp_policy"),
-    "ParamModuleInfo": ("module", "shared_modules"),
+    "ParamModuleInfo": ("module", "shared_modules", "param_name", "shared_param_names"),
     "FSDPMeshInfo": ("shard_process_group", "shard_mesh_rank", "shard_mesh_size"),
     "DTensor": ("_local_tensor", "_spec"),
     "Module": ("_parameters", "_buffers", "_forward_pre_hooks", "_forward_hooks"),
@@ -168,6 +168,16 @@ def local_shard(fsdp_param) -> torch.Tensor:
     return fsdp_param.sharded_param._local_tensor
 
 
+def gathered_shape(fsdp_param) -> torch.Size:
+    """The whole parameter's shape."""
+    return fsdp_param._orig_size
+
+
+def shard_count(fsdp_param) -> int:
+    """How many ranks the parameter is sharded over."""
+    return fsdp_param.mesh_info.shard_mesh_size
+
+
 def shard_rank(fsdp_param) -> int:
     """This rank's index among the ranks the parameter is sharded over."""
     return fsdp_param.mesh_info.shard_mesh_rank
@@ -187,6 +197,12 @@ def modules_using(fsdp_param) -> tuple[nn.Module, ...]:
     """The modules that register the parameter: its own, then those it is shared (tied) with."""
     info = fsdp_param._module_info
     return (info.module, *info.shared_modules)
+
+
+def registered_as(fsdp_param) -> list[tuple[nn.Module, str]]:
+    """Every (module, attribute name) that registers the parameter: its own, then its tied ones."""
+    info = fsdp_param._module_info
+    return [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]
 
 
 def gathered_output(fsdp_param) -> torch.Tensor:
@@ -242,6 +258,15 @@ def set_buffer(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 # process groups and the elastic rendezvous
+
+
+def nccl_backend(store, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A ``ProcessGroupNCCL`` over ``store`` apart from the default group, whose operations time out
+    after ``timeout`` (its options' ``_timeout``: CUDA builds only, so not in :data:`RELIED_ON`'s
+    CPU check)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, options)
 
 
 def default_store():

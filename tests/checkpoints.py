@@ -103,6 +103,16 @@ def reference_generate(path: str, prompts=PROMPTS, max_new_tokens: int = 16) -> 
 
 
 @torch.no_grad()
+def assert_greedy_tokens(server, reference, max_new_tokens: int) -> None:
+    """A server's greedy tokens for PROMPTS equal ``reference`` (``reference_generate``'s, of as
+    many tokens)."""
+    for prompt, want in zip(PROMPTS, reference):
+        r = server.client.post("/generate", json={"inputs": prompt, "parameters": {
+            "max_new_tokens": max_new_tokens, "details": True}})
+        assert r.status_code == 200, r.text
+        assert [t["id"] for t in r.json()["details"]["tokens"]] == want
+
+
 def generate_ids(model, tok, prompt: str, max_new_tokens: int) -> list[int]:
     ids = tok(prompt, return_tensors="pt").input_ids
     out = model.generate(

@@ -12,7 +12,7 @@ import sys
 from tests.server_process import REPO
 
 PHASES = ["env", "checkpoint", "load", "residency", "parity_dtype", "decode", "prefetch", "step_profile",
-          "sampling_syncs", "compiled", "serve", "parity_fp32", "cpu_offload", "quantized"]
+          "sampling_syncs", "compiled", "serve", "parity_fp32", "cpu_offload", "quantized", "peer_transfer"]
 
 
 def test_gpu_check_dry_run(tmp_path):
@@ -30,6 +30,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert phases["parity_fp32"]["equal"] == phases["parity_fp32"]["of"] == 4
     assert phases["serve"]["greedy_equal_to_engine"] and phases["serve"]["exit_code"] == 0
     assert phases["cpu_offload"]["equal_to_resident_engine"]
+    assert phases["peer_transfer"]["receiver"]["equal"] and phases["peer_transfer"]["backend"] == "gloo"
     assert phases["sampling_syncs"]["greedy_syncs"] is None  # counted on a GPU only
     assert all(phases["quantized"][f]["equal"] == phases["quantized"][f]["of"] == 3
                for f in ("fp8-block-16", "w4a16", "w8a8"))

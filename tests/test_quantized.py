@@ -19,7 +19,7 @@ import torch
 
 from loaders.quantization.linear import int8_kernel_refusal
 import tests.quantized_checkpoints as qc
-from tests.checkpoints import PROMPTS, generate_ids, reference_generate, write_checkpoint
+from tests.checkpoints import PROMPTS, assert_greedy_tokens, generate_ids, reference_generate, write_checkpoint
 from tests.dist import run_ranks, values
 from tests.server_process import ServerProcess, free_port
 
@@ -199,19 +199,10 @@ def test_fp8_experts_equal_transformers_and_are_sharded_by_experts(tmp_path, arc
         assert got["bytes_read"] < 1.15 * got["checkpoint_bytes"] / mesh[1], got
 
 
-def _assert_greedy_tokens(server, reference) -> None:
-    """The server's greedy tokens for PROMPTS equal ``reference`` (transformers' own load)."""
-    for prompt, want in zip(PROMPTS, reference):
-        r = server.client.post("/generate", json={"inputs": prompt, "parameters": {
-            "max_new_tokens": TOKENS, "details": True}})
-        assert r.status_code == 200, r.text
-        assert [t["id"] for t in r.json()["details"]["tokens"]] == want
-
-
 def test_server_serves_a_quantized_checkpoint_and_reports_its_bytes(quantized, tmp_path):
     path, reference = quantized["w8a8"]
     with ServerProcess(path, nproc=2, extra_args=("--dtype", "float32"), log_path=tmp_path / "log") as server:
-        _assert_greedy_tokens(server, reference)
+        assert_greedy_tokens(server, reference, TOKENS)
         info = server.client.get("/info").json()["quantization"]
         assert list(info["layers"].values()) == [21], info
         held = info["bytes_per_rank"]
@@ -235,7 +226,7 @@ def test_server_serves_deepseek_v3_in_fp8(tmp_path):
     path = qc.write_fp8_block(tmp_path / "fp8", base=base, block=(16, 16), experts=True)
     reference = reference_generate(path, max_new_tokens=TOKENS)
     with ServerProcess(path, nproc=2, extra_args=("--dtype", "float32"), log_path=tmp_path / "log") as server:
-        _assert_greedy_tokens(server, reference)
+        assert_greedy_tokens(server, reference, TOKENS)
         info = server.client.get("/info").json()["quantization"]
         # 2 layers x (q_a, q_b, kv_a, kv_b, o) + the dense MLP's 3 + the shared experts' 3, and 1 experts module
         assert info["layers"] == {"fp8 e4m3, 16x16 blocks": 16, "fp8 e4m3 experts, 16x16 blocks": 1}, info

@@ -39,6 +39,19 @@ class Work:
 
 
 @dataclass
+class PeerShare:
+    """Send this rank's shards to a peer group (``loaders.peer.send_to_peer``) on a thread of its own,
+    while it goes on stepping: the peer's ranks join the transfer group on rank 0's store at
+    ``port`` (every rank reaches it at the group's MASTER_ADDR) under ``key``."""
+
+    port: int
+    key: str
+    receivers: tuple[int, int]  # the receiving group's mesh: (replicas, shard size)
+    backend: str
+    timeout_s: float
+
+
+@dataclass
 class StepPlan:
     """Rank 0's decisions for one step; every rank receives the same plan."""
 
@@ -48,6 +61,7 @@ class StepPlan:
     forward: bool = False  # some rank has work: every rank enters forward (the all-gathers are collectives)
     shutdown: bool = False
     threads: int = 0  # intra-op threads a rank with work uses this step (server.engine.cores); 0: its own
+    share: PeerShare | None = None  # a peer group asked for the weights (server.peer)
 
 
 @dataclass

@@ -154,6 +154,7 @@ class Scheduler:
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._running: dict[int, RequestHandle] = {}  # seq_id -> handle, in admission order
         self._to_remove: list[RequestHandle] = []
+        self._share = None  # a PeerShare for the next plan (share_weights)
         self._ids = itertools.count()
         self._shutdown = threading.Event()
         self._shutdown_deadline = float("inf")
@@ -195,6 +196,10 @@ class Scheduler:
         """The API side ended the request (a stop sequence): free it at the next step."""
         self._inbox.put(("finish", handle))
 
+    def share_weights(self, share) -> None:
+        """Hand the next plan a ``PeerShare`` (its ranks start sending to a peer group; steps go on)."""
+        self._inbox.put(("share", share))
+
     def request_shutdown(self, timeout_s: float = float("inf")) -> None:
         """Stop once the open requests have finished, or after ``timeout_s`` whatever remains."""
         self._shutdown_deadline = time.monotonic() + timeout_s
@@ -235,6 +240,7 @@ class Scheduler:
         for handle in continuing:  # the rest of longer prompts, after new requests' first chunks
             self._plan_chunk(handle, plan, budget)
         plan.forward = any(plan.work.values())
+        plan.share, self._share = self._share, None
         if self._shutdown.is_set() and time.monotonic() > self._shutdown_deadline:
             self.fail_all("the server is shutting down: the shutdown timeout cut this request short")
         plan.shutdown = self._shutdown.is_set() and not self._running and not self._waiting
@@ -258,6 +264,8 @@ class Scheduler:
                 self._waiting.append(handle)
             elif kind in ("cancel", "finish"):
                 self._end(handle)
+            elif kind == "share":
+                self._share = handle
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

@@ -102,6 +102,11 @@ class StepGroupRouter:
         if handle.scheduler is not None:
             handle.scheduler.finish(handle)
 
+    def share_weights(self, share) -> None:
+        """Every step group's ranks start sending their shards to a peer group (``PeerShare``)."""
+        for s in self.schedulers:
+            s.share_weights(share)
+
     def request_shutdown(self, timeout_s: float = float("inf")) -> None:
         for s in self.schedulers:
             s.request_shutdown(timeout_s)

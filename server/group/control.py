@@ -79,11 +79,15 @@ def control_channels(timeout_s: float, replicas: list[list[int]]) -> list[Contro
     return [ControlChannel(links, replica) if me in {0, *replica} else None for replica in replicas]
 
 
-def run_engine_loop(engine: RankEngine | None, channel: ControlChannel, scheduler=None, watchdog=None) -> None:
+def run_engine_loop(engine: RankEngine | None, channel: ControlChannel, scheduler=None, watchdog=None,
+                    on_share=None) -> None:
     """Step until rank 0 plans a shutdown. Rank 0 passes the replica's scheduler; the others pass
     None. ``engine`` None: rank 0 stepping a replica it is not in (a thread of its own): it plans,
     sends and waits for the tokens, and an idle replica gets an empty plan each idle wait (its
     ranks' watchdogs see the group alive) and runs no forward.
+
+    ``on_share(PeerShare)``: a plan asks this rank to send its shards to a peer group; called on
+    the stepping thread between two steps, it starts a thread of its own and returns.
 
     Symmetry: every rank receives every plan and answers it, so all ranks take the same
     number of steps and enter the same forwards. An exception on any rank ends its loop; the
@@ -103,6 +107,8 @@ def run_engine_loop(engine: RankEngine | None, channel: ControlChannel, schedule
         plan = channel.broadcast_plan(planned)
         if plan.shutdown:
             return
+        if plan.share is not None and engine is not None and on_share is not None:
+            on_share(plan.share)
         t1 = clock()
         result = engine.step(plan) if engine is not None else None
         t2 = clock()

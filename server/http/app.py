@@ -12,6 +12,7 @@ from server import __version__
 from server.http.errors import register_error_handlers
 from server.http.guard import GuardMiddleware, allowed_hosts_for
 from server.http.responses import FiniteJSONResponse
+from server.api.admin import router as admin_router
 from server.api.openai.router import router as openai_router
 from server.api.tgi.router import router as tgi_router
 from server.api.tokenize import router as tokenize_router
@@ -33,6 +34,7 @@ def build_app(state: ServerState, cfg=None) -> FastAPI:
     app.include_router(tgi_router)
     app.include_router(openai_router)
     app.include_router(tokenize_router)
+    app.include_router(admin_router)
     app.include_router(build_ui_router())
 
     @app.get("/metrics")
@@ -86,6 +88,8 @@ def build_app(state: ServerState, cfg=None) -> FastAPI:
             "phase": state.phase,
             "residency": state.residency,
             "quantization": state.quantization,
+            "weights": dict(state.weights or {}, sharing=state.weight_sharing.describe()
+                            if state.weight_sharing is not None else {"enabled": False}),
         }
         scheduler = state.scheduler
         if scheduler is not None:

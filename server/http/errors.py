@@ -66,6 +66,13 @@ class ModelNotFoundError(APIError):
     openai_code = "model_not_found"
 
 
+class ConflictError(APIError):
+    status_code = 409
+    error_type = "conflict"
+    openai_type = "invalid_request_error"
+    openai_code = "conflict"
+
+
 class OverloadedError(APIError):
     status_code = 429
     error_type = "overloaded"

@@ -43,6 +43,11 @@ class ServerMetrics:
                                   registry=r)
         self.loaded_bytes = Gauge("hsdp_loaded_bytes", "Checkpoint bytes each rank read (or fetched from object "
                                   "storage) at startup", ["rank"], registry=r)
+        self.peer_transfers = Counter("hsdp_peer_transfers", "Weight transfers with peer groups by role (sent: "
+                                      "--share-weights, received: --load-from-peer) and outcome (ok, failed, refused)",
+                                      ["role", "outcome"], registry=r)
+        self.peer_bytes = Counter("hsdp_peer_bytes", "Bytes of shards rank 0 sent to or received from peer groups",
+                                  ["role"], registry=r)
         self.sharded_units = Gauge("hsdp_sharded_units", "FSDP units the model is sharded into", registry=r)
         self.resident_units = Gauge("hsdp_resident_units",
                                     "Units that keep their gathered parameters (--resident-units)", registry=r)

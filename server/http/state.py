@@ -55,6 +55,8 @@ class ServerState:
     special_ids: frozenset = frozenset()  # the tokenizer's special tokens (TGI's `special`)
     chat: object | None = None  # server.api.openai.chat.ChatRenderer: chat template and tool-call format
     liveness_timeout_s: float = 60.0  # --liveness-timeout: /health fails past it (stalled_for)
+    weight_sharing: object | None = None  # server.peer.WeightSharing with --share-weights
+    weights: dict | None = None  # where the weights came from (/info): source, fingerprint, peer transfer
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def stalled_for(self) -> float:
