@@ -10,6 +10,12 @@ Methods, each in a fresh set of spawned processes (gloo, FileStore rendezvous):
   dcp              meta skeleton, apply_hsdp_to_model, to_empty, torch DCP HuggingFaceStorageReader
   floor-fresh      one pread of each byte range sliced reads, into fresh memory kept (no model)
   floor-copy       the same into one reused buffer: the copy alone (no model)
+  floor-direct     the same with O_DIRECT (aligned reads past the page cache into one reused buffer):
+                   what the device gives a rank; with --cold, against floor-copy, whether direct
+                   reads of cold files would beat the page cache's
+
+``--cold`` drops the host's page cache before every method's run (root only; the run stops where
+the host does not allow it): a restarted node's load; without it the page cache is warmed first.
 
 Per rank: time to ready, peak resident and anonymous memory added over the idle process, bytes read.
 Prints one JSON line per method, then one with the ratios to the baselines and whether the targets hold.
@@ -43,8 +49,8 @@ import torch
 from tests.dist import run_ranks, values
 
 DEFAULT_OUT_DIR = os.path.expanduser("~/.cache/hsdp-serve/bench-llama-1.5g")
-METHODS = ("sliced", "full", "from_pretrained", "dcp", "floor-fresh", "floor-copy")
-FLOORS = ("floor-fresh", "floor-copy")
+METHODS = ("sliced", "full", "from_pretrained", "dcp", "floor-fresh", "floor-copy", "floor-direct")
+FLOORS = ("floor-fresh", "floor-copy", "floor-direct")
 S3_METHODS = ("s3-sliced", "s3-full", "s3-download")
 RUN_TIMEOUT_S = 600
 RSS_SLACK, FP_TIME_TARGET, DCP_TIME_TARGET, FLOOR_TIME_TARGET = 1.1, 0.5, 0.5, 2.5  # issue 28's targets
@@ -127,6 +133,13 @@ def warm_page_cache(model_dir: str) -> int:
                 while chunk := f.read(64 << 20):
                     total += len(chunk)
     return total
+
+
+def drop_page_cache() -> None:
+    """Every clean page of the host's page cache dropped (root only: PermissionError elsewhere)."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1\n")
 
 
 def describe_checkpoint(model_dir: str) -> dict:
@@ -222,11 +235,15 @@ def start_s3(model_dir: str, bucket: str) -> tuple[str, object]:
     return f"s3://{bucket}/model", server
 
 
-def read_floor(model_dir: str, rank: int, world_size: int, fresh: bool):
+def read_floor(model_dir: str, rank: int, world_size: int, fresh: bool, direct: bool = False):
     """The floor of a rank's load: one positioned read of each byte range the sliced load reads
     (each tensor's rows of this rank's shard, in file order), into fresh memory kept to the end
     (``floor-fresh``: what holding the shards costs at least: the kernel's zeroing and page faults
-    and the copy) or into one buffer reused (``floor-copy``: the copy alone, the issue's floor)."""
+    and the copy) or into one buffer reused (``floor-copy``: the copy alone, the issue's floor);
+    ``direct``: with O_DIRECT, each range widened to 4 KiB boundaries, into one page-aligned buffer
+    (``floor-direct``: the device's speed, past the page cache)."""
+    import mmap
+
     from loaders.checkpoint import list_checkpoint_files
     from loaders.streaming import shard_rows
 
@@ -236,8 +253,9 @@ def read_floor(model_dir: str, rank: int, world_size: int, fresh: bool):
         by_file.setdefault(path, []).append(info)
     kept, total = [], 0
     reused = None
+    align = 4096
     for path in files.files:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
         try:
             for info in sorted(by_file.get(path, []), key=lambda i: i.start):
                 if info.shape:
@@ -245,17 +263,27 @@ def read_floor(model_dir: str, rank: int, world_size: int, fresh: bool):
                     offset, nbytes = info.start + start * info.row_bytes, (stop - start) * info.row_bytes
                 else:
                     offset, nbytes = info.start, info.nbytes
+                total += nbytes
+                if direct:
+                    offset, end = offset // align * align, -(-(offset + nbytes) // align) * align
+                    nbytes = end - offset
                 if fresh:
-                    out = torch.empty(nbytes, dtype=torch.uint8)
+                    out = memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())
                     kept.append(out)
                 else:
-                    if reused is None or reused.numel() < nbytes:
-                        reused = torch.empty(max(nbytes, 64 << 20), dtype=torch.uint8)
-                    out = reused
-                view, done = memoryview(out.numpy())[:nbytes], 0
+                    if reused is None or len(reused) < nbytes:
+                        size = -(-max(nbytes, 64 << 20) // align) * align
+                        reused = mmap.mmap(-1, size) if direct else memoryview(
+                            torch.empty(size, dtype=torch.uint8).numpy())
+                    out = memoryview(reused)
+                view, done = out[:nbytes], 0
                 while done < nbytes:
-                    done += os.preadv(fd, [view[done:]], offset + done)
-                total += nbytes
+                    n = os.preadv(fd, [view[done:]], offset + done)
+                    if n <= 0:
+                        if direct and done:  # the file's last block: O_DIRECT reads stop at its end
+                            break
+                        raise OSError(f"{path}: unexpected end of file at {offset + done}")
+                    done += n
         finally:
             os.close(fd)
     return None, {"bytes_read": total}
@@ -326,6 +354,7 @@ def run_rank(rank: int, world_size: int, method: str, model_dir: str, profile_pa
         "s3-download": lambda: load_downloaded(model_dir, rank),
         "floor-copy": lambda: read_floor(model_dir, rank, world_size, fresh=False),
         "floor-fresh": lambda: read_floor(model_dir, rank, world_size, fresh=True),
+        "floor-direct": lambda: read_floor(model_dir, rank, world_size, fresh=False, direct=True),
     }[method]
     dist.barrier()
 
@@ -455,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", choices=("local", "s3"), default="local",
                         help="s3: the checkpoint in an S3 API server on loopback, the s3-* methods")
     parser.add_argument("--bucket", default="hsdp-bench")
+    parser.add_argument("--cold", action="store_true", help="drop the page cache before every method's run")
     args = parser.parse_args(argv)
     if args.source == "s3" and args.methods == ",".join(METHODS):
         args.methods = ",".join(S3_METHODS)
@@ -466,7 +496,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["LOCAL_WORLD_SIZE"] = str(args.nproc)
     model_dir = os.path.abspath(args.model or generate_checkpoint(args.out_dir))
     info = describe_checkpoint(model_dir)
-    log(f"{model_dir}: {info}; warmed {warm_page_cache(model_dir) / 1e9:.2f} GB of page cache")
+    if args.cold:
+        drop_page_cache()  # a host that does not allow it stops here, before any figure
+        log(f"{model_dir}: {info}; the page cache dropped before each run (--cold)")
+    else:
+        log(f"{model_dir}: {info}; warmed {warm_page_cache(model_dir) / 1e9:.2f} GB of page cache")
     s3_server = None
     source = model_dir
     if args.source == "s3":
@@ -485,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         # The reference first in each round, the others interleaved so that noise hits them alike.
         for method in [ref_method] + [m for m in methods if m != ref_method]:
             profile = os.path.join(args.profile, f"{method}-round{i}") if args.profile else None
+            if args.cold:
+                drop_page_cache()
             # A forward of 8 tokens in the first round; shard checksums in every round.
             results, logits = run_method(method, source if method.startswith("s3-") else model_dir, args.nproc,
                                          profile, run_forward=i == 0)
@@ -512,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
             if method in summaries:
                 ratios["ratios"][f"{method}_time_over_s3-download"] = round(
                     summaries[method]["best_time_to_ready_s"] / base, 3)
+    ratios.update(cold=args.cold, nproc=args.nproc)
     print(json.dumps(ratios), flush=True)
     if s3_server is not None:
         s3_server.stop()

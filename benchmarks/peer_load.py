@@ -56,14 +56,8 @@ def _tokens(server) -> list[list[int]]:
     return out
 
 
-def drop_page_cache() -> None:
-    """Every clean page of the host's page cache dropped (root only): PermissionError elsewhere."""
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("1\n")
-
-
 def start(model_dir: str, nproc: int, args: tuple, log_path: str, cold: bool) -> dict:
+    from benchmarks.load import drop_page_cache
     from tests.server_process import ServerProcess
 
     if cold:

@@ -16,7 +16,7 @@ from loaders.errors import (
     UnsupportedQuantizationError,
 )
 from loaders.stats import LoadStats
-from loaders.streaming import READ_MODES, LoadedModel, load_hsdp_model, shard_rows
+from loaders.streaming import READ_MODES, LoadedModel, load_hsdp_model, shard_rows, update_hsdp_model
 
 __all__ = [
     "READ_MODES",
@@ -34,4 +34,5 @@ __all__ = [
     "UnsupportedQuantizationError",
     "load_hsdp_model",
     "shard_rows",
+    "update_hsdp_model",
 ]

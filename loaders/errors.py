@@ -66,13 +66,18 @@ class PeerLoadError(CheckpointError):
     """Loading from a peer group (``loaders.peer``) failed or was refused; storage is the fallback."""
 
 
+class PartialUpdateError(CheckpointError):
+    """A live update (``update_hsdp_model``) failed after its first write: the model is part old,
+    part new, and must not be served."""
+
+
 class RemoteRankError(CheckpointError):
     """Loading failed on another rank; this rank stops too instead of waiting in a collective."""
 
 
 ERROR_CLASSES = {cls.__name__: cls for cls in (
     CheckpointError, MissingConfigError, MissingTokenizerError, CorruptFileError, MissingTensorError,
-    UnexpectedTensorError, ShapeMismatchError, DTypeMismatchError, UnsupportedQuantizationError, PeerLoadError, RemoteRankError,
+    UnexpectedTensorError, ShapeMismatchError, DTypeMismatchError, UnsupportedQuantizationError, PeerLoadError, PartialUpdateError, RemoteRankError,
 )}
 """The errors a rank may rebuild from another rank's record, by class name."""
 

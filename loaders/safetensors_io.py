@@ -140,17 +140,19 @@ def read_bytes(source, offset: int, nbytes: int, *, path: str) -> bytes:
 
 
 def read_rows(source, info: TensorInfo, start: int, stop: int, *, path: str, pin_memory: bool = False,
-              concurrency: int = 8) -> torch.Tensor:
+              concurrency: int = 8, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``[start, stop)`` of ``info`` along dim 0 (the whole tensor when it has no dims), into
     page-locked memory with ``pin_memory`` (so a copy to a GPU can run asynchronously). ``source``:
     a file descriptor (positioned reads) or a :class:`loaders.remote.RemoteFile` (ranged GETs,
-    ``concurrency`` at once for a large read)."""
+    ``concurrency`` at once for a large read). ``out``: read into this contiguous host tensor of
+    the rows' shape and dtype instead of a new one."""
     if info.shape:
         shape = (stop - start, *info.shape[1:])
         offset, nbytes = info.start + start * info.row_bytes, (stop - start) * info.row_bytes
     else:
         shape, offset, nbytes = (), info.start, info.nbytes
-    out = torch.empty(shape, dtype=info.dtype, pin_memory=pin_memory)
+    if out is None:
+        out = torch.empty(shape, dtype=info.dtype, pin_memory=pin_memory)
     if nbytes and not isinstance(source, int):
         source.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()), offset, concurrency)
     elif nbytes:

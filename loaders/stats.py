@@ -38,6 +38,8 @@ class LoadStats:
     quantized_layers: dict = field(default_factory=dict)  # {format description: layers} of a quantized checkpoint
     bytes_read: int = 0
     bytes_received: int = 0
+    tensors_written: int = 0
+    """Tensors copied into a live model's shards (``update_hsdp_model``)."""
     """Bytes received from a peer group instead of read (``loaders.peer``)."""
     files_read: int = 0
     tensors_read: int = 0

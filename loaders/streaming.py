@@ -29,6 +29,7 @@ from loaders.errors import (
     CheckpointError,
     DTypeMismatchError,
     MissingTensorError,
+    PartialUpdateError,
     ShapeMismatchError,
     UnexpectedTensorError,
     UnsupportedQuantizationError,
@@ -53,7 +54,7 @@ from shard_engine import (
     shard_hsdp_module,
 )
 from shard_engine.torch_private import set_buffer, set_parameter
-from shard_engine.transfer import Slot, shard_rows
+from shard_engine.transfer import Slot, held_tensors, manifest_difference, shard_rows
 
 logger = logging.getLogger(__name__)
 READ_MODES = ("sliced", "full")
@@ -133,17 +134,40 @@ def _agree(error: BaseException | None, stage: str) -> None:
             raise exc
 
 
-def local_read_ahead(load_concurrency: int) -> int:
+def local_read_ahead(load_concurrency: int, cold: bool = False) -> int:
     """How many positioned reads of a local file a rank keeps in flight ahead of the tensor it
-    shards: ``load_concurrency`` where this host has cores its ranks leave idle (more cores than
-    ``LOCAL_WORLD_SIZE`` ranks, among those this process may run on), else 0. Measured
-    (``benchmarks.load``, 1.5 GB bf16 Llama, warm page cache, a 2-core host): 1 rank with 8 reads
-    ahead 0.52-0.56 s against 0.70-0.76 s without (and 0.76 s with 1 ahead: the page faults of
-    several reads run on both cores); 2 ranks on the 2 cores 0.46-0.52 s against 0.41-0.48 s
-    without (no idle core: the threads only compete), hence none there."""
+    shards: ``load_concurrency`` where the file is ``cold`` (not in the page cache: the reads wait
+    on the device, and reads in flight overlap that wait with the sharding), or where this host has
+    cores its ranks leave idle (more cores than ``LOCAL_WORLD_SIZE`` ranks, among those this
+    process may run on), else 0. Measured (``benchmarks.load``, 1.5 GB bf16 Llama, a 2-core host):
+    warm, 1 rank with 8 reads ahead 0.52-0.56 s against 0.70-0.76 s without (and 0.76 s with 1
+    ahead: the page faults of several reads run on both cores); 2 ranks on the 2 cores 0.46-0.52 s
+    against 0.41-0.48 s without (no idle core: the threads only compete), hence none there; cold
+    (``--cold``), 2 ranks 0.70 s with them against 1.16-1.17 s without, where one read of each
+    rank's bytes takes 0.66-0.69 s."""
+    if cold:
+        return load_concurrency
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return load_concurrency if cores > local_ranks else 0
+
+
+def is_cold(fd: int, offsets: list[int]) -> bool:
+    """Whether some of these offsets of an open file are not in the page cache: a 1-byte read
+    that must not wait for the device (``RWF_NOWAIT``) at each; False where the kernel or the
+    file system cannot say (the reads then go as for a warm file)."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None:
+        return False
+    buf = bytearray(1)
+    for offset in offsets:
+        try:
+            os.preadv(fd, [buf], offset, flag)
+        except BlockingIOError:
+            return True
+        except OSError:  # EOPNOTSUPP and the like: no answer
+            return False
+    return False
 
 
 class _Prefetch:
@@ -231,6 +255,7 @@ class _StreamingLoad:
         self.local_device = torch.device("cpu") if offloaded else context.target_device
         # linears quantized as their rows arrive (--quantization): model weight name -> its layer
         self.on_load = {f"{fqn}.weight": m for fqn, m in model.named_modules() if getattr(m, "quantize_on_load", False)}
+        self.into: dict[str, tuple[torch.Tensor, int]] | None = None  # a live model's tensors (update_hsdp_model)
         self._plan_units()
 
     def _plan_units(self) -> None:
@@ -314,7 +339,8 @@ class _StreamingLoad:
         fd = remote if remote is not None else os.open(path, os.O_RDONLY)
         # the next tensors in flight while this one is sharded: GETs from a store; positioned reads of a local
         # file where the host has cores its ranks leave idle (:func:`local_read_ahead`)
-        window = self.load_concurrency if remote is not None else local_read_ahead(self.load_concurrency)
+        window = self.load_concurrency if remote is not None else local_read_ahead(
+            self.load_concurrency, cold=is_cold(fd, self._probe_offsets(entries)))
         if window:
             self._prefetch = _Prefetch(self, fd, path, entries, window)
         try:
@@ -332,35 +358,30 @@ class _StreamingLoad:
                 os.close(fd)
         self.stats.files_read += 1
 
+    def _probe_offsets(self, entries) -> list[int]:
+        """Where to ask whether a file is in the page cache: the first byte this rank reads of its
+        first, middle and last tensor."""
+        picked = [entries[i] for i in sorted({0, len(entries) // 2, len(entries) - 1})] if entries else []
+        out = []
+        for key, info in picked:
+            start = shard_rows(info.shape[0], self.shard_size, self.shard_rank)[0] if (
+                info.shape and self.read_mode == "sliced") else 0
+            if info.nbytes:
+                out.append(info.start + min(start * info.row_bytes, info.nbytes - 1))
+        return out
+
     def _read_tensor(self, fd: int, path: str, key: str, info) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)
         if key in self.conversions.target_of:
             self._read_source(fd, path, key, info, self.conversions.target_of[key])
             return
-        name = self._model_key(self.conversions.renamed.get(key, key))
-        if name is None:
-            return
-        if name in self.layout.aliases:
-            name = self.layout.aliases[name]
-            if self.owner[name].done or name not in self.owner[name].remaining:
-                return  # tied copy of a tensor already read
-        expected = self.layout.expected.get(name)
-        if expected is None:
-            if self._ignored(name):
-                self.skipped.append(key)
-                return
-            raise UnexpectedTensorError("the model has no parameter or buffer of this name", path=path, tensor=key)
-        if tuple(expected.shape) != info.shape:
-            raise ShapeMismatchError(
-                f"checkpoint shape {list(info.shape)} != model shape {list(expected.shape)}", path=path, tensor=key
-            )
-        if name not in self.on_load:
-            self._check_dtype(expected, info, path, key)
-        elif not info.dtype.is_floating_point:
-            raise DTypeMismatchError(f"--quantization quantizes floating weights, not {info.dtype}", path=path,
-                                     tensor=key)
+        name = self._resolve(path, key, info)
+        if name is None or (name in self.owner and (self.owner[name].done or name not in self.owner[name].remaining)):
+            return  # not the model's, or a tied copy of a tensor already read
         start, stop = self._rows_to_read(name, info)
+        if self.into is not None and self._read_into_live(fd, path, name, info, start, stop):
+            return
         data = self._fetch(fd, path, key, info, start, stop)
         self.stats.bytes_read += data.numel() * info.dtype.itemsize
         self.stats.tensors_read += 1
@@ -371,6 +392,54 @@ class _StreamingLoad:
                 self._deliver(prefix + stored, value)
             return
         self._deliver(name, data)
+
+    def _resolve(self, path: str, key: str, info) -> str | None:
+        """The model tensor checkpoint tensor ``key`` (not a conversion's source) becomes, checked
+        against the model's shape and dtype from its header alone; None where the model does not
+        use it (another class's head, a tensor from_pretrained skips too)."""
+        name = self._model_key(self.conversions.renamed.get(key, key))
+        if name is None:
+            return None
+        name = self.layout.aliases.get(name, name)
+        expected = self.layout.expected.get(name)
+        if expected is None:
+            if self._ignored(name):
+                self.skipped.append(key)
+                return None
+            raise UnexpectedTensorError("the model has no parameter or buffer of this name", path=path, tensor=key)
+        if tuple(expected.shape) != info.shape:
+            raise ShapeMismatchError(
+                f"checkpoint shape {list(info.shape)} != model shape {list(expected.shape)}", path=path, tensor=key
+            )
+        if name not in self.on_load:
+            self._check_dtype(expected, info, path, key)
+        elif not info.dtype.is_floating_point:
+            raise DTypeMismatchError(f"--quantization quantizes floating weights, not {info.dtype}", path=path,
+                                     tensor=key)
+        return name
+
+    def check_complete(self) -> None:
+        """Every check reading makes, from the headers alone, before a byte is read: each
+        checkpoint tensor the model's (shape, dtype) and every model tensor given by one."""
+        given: set[str] = set()
+        for key, (path, info) in self.files.tensors.items():
+            target = self.conversions.target_of.get(key)
+            if target is not None:
+                name = self._model_key(target.name)
+                if name is not None and name in self.layout.expected:
+                    self._check_dtype(self.layout.expected[name], info, path, key)
+                    given.add(name)
+                continue
+            name = self._resolve(path, key, info)
+            if name is not None:
+                given.add(name)
+                if name in self.on_load:  # quantized as it is read: its scale comes with it
+                    given.add(name.removesuffix("weight") + "weight_scale")
+        self.skipped.clear()
+        missing = sorted(set(self.layout.expected) - given)
+        if missing:
+            raise MissingTensorError(f"{len(missing)} tensor(s) missing from the checkpoint, first: {missing[:5]}",
+                                     path=self.files.directory, tensor=missing[0])
 
     def _fetch(self, fd, path: str, key: str, info, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of ``key``: prefetched where a GET for them is in flight, else read now."""
@@ -531,7 +600,9 @@ class _StreamingLoad:
         if unit.remaining or any(not c.done for c in unit.children):
             return
         with self.stats.phase("shard"):
-            if self.read_mode == "sliced":
+            if self.into is not None:
+                self._write_live(unit)
+            elif self.read_mode == "sliced":
                 self._shard(unit)  # on meta: no memory until the rows read are installed
                 self._install(unit)
             else:
@@ -543,6 +614,39 @@ class _StreamingLoad:
         self.stats.events.append(("shard", unit.name))
         if unit.parent is not None:
             self._complete(unit.parent)
+
+    def _read_into_live(self, fd, path: str, name: str, info, start: int, stop: int) -> bool:
+        """A live update's rows of ``name`` read straight into the shard that holds them (no buffer,
+        no copy) where they are stored as held: the same dtype, a contiguous host tensor, no
+        conversion; False where they must go through a buffer."""
+        held = self.into[name][0]
+        shape = (stop - start, *info.shape[1:]) if info.shape else ()
+        if (name in self.on_load or held.dtype != info.dtype or held.device.type != "cpu"
+                or not held.is_contiguous() or tuple(held.shape) != shape or self._prefetch is not None):
+            return False
+        self.stats.tensors_written += 1  # (from the first byte: a failed read leaves it part written)
+        read_rows(fd, info, start, stop, path=path, concurrency=self.load_concurrency, out=held)
+        self.stats.bytes_read += held.numel() * info.dtype.itemsize
+        self.stats.tensors_read += 1
+        unit = self.owner[name]
+        unit.pending[name] = None  # in place already
+        unit.remaining.discard(name)
+        if not unit.remaining:
+            self._complete(unit)
+        return True
+
+    def _write_live(self, unit: _Unit) -> None:
+        """Copy the unit's rows read into the live model's own tensors (its shards, its whole ones)."""
+        with torch.no_grad():
+            for name, data in unit.pending.items():
+                if data is None:  # read in place (_read_into_live)
+                    continue
+                held = self.into[name][0]
+                if tuple(held.shape) != tuple(data.shape):
+                    raise ShapeMismatchError(f"rows read {list(data.shape)} != rows held {list(held.shape)}",
+                                             path=self.files.directory, tensor=name)
+                held.copy_(data)
+                self.stats.tensors_written += 1
 
     def _shard(self, unit: _Unit) -> None:
         if unit is self.root:
@@ -617,6 +721,69 @@ def _quantize_skeleton(model: nn.Module, plan, files) -> dict[str, int]:
     return counts
 
 
+def _skeleton(config, files, model_class, dtype: torch.dtype, quantization, quantize: str | None, stats) -> nn.Module:
+    """The meta skeleton of ``config`` in ``dtype``, its linears quantized as the checkpoint ships
+    them (``quantization``) or as ``quantize`` asks."""
+    model = build_skeleton(config, model_class, dtype)
+    if quantization is not None:
+        stats.quantized_layers = _quantize_skeleton(model, quantization, files)
+        if quantize and _is_rank_zero():
+            logger.info("--quantization %s ignored: the checkpoint ships quantized (%s)", quantize, quantization.method)
+    elif quantize:
+        names = set(_model_named_tensors(model, files)[0])
+        stats.quantized_layers = quantize_skeleton_on_load(model, quantize, dtype, names)
+    return model
+
+
+def update_hsdp_model(loaded: LoadedModel, model_dir: str, *, dtype: torch.dtype | str | None = None,
+                      model_class=None, quantize: str | None = None, load_concurrency: int = 8,
+                      check_only: bool = False) -> LoadStats:
+    """Stream checkpoint ``model_dir`` into ``loaded.model`` in place: this rank reads only its rows
+    of every sharded tensor (as :func:`load_hsdp_model` does, with the same ``dtype`` and
+    ``quantize``) and copies each unit's rows into its shards as the unit completes: at most one
+    unit's rows (and the reads in flight) beyond the model.
+
+    Everything is checked from the config and headers before a byte is read: the model it makes
+    must be the one served tensor for tensor (name, shape, dtype, sharding: ``ShapeMismatchError``
+    naming the first that differs), every checkpoint tensor the model's, none missing.
+    ``check_only`` stops there. No collective: every rank of the group calls it at the same step,
+    and the caller refreshes what was built from the shards (private gathered copies, packed
+    linears). A failure after the first write leaves the model part old, part new: the caller must
+    not serve it. Returns the load's stats (``bytes_read``, ``tensors_written``)."""
+    device = loaded.context.target_device
+    if model_class is None:
+        from transformers import AutoModelForCausalLM as model_class
+    stats = LoadStats(read_mode="sliced")
+    with stats.phase("preflight"):
+        config = load_config(model_dir)
+        quantization = quantization_plan(config, path=os.path.join(model_dir, "config.json"))
+        files = list_checkpoint_files(model_dir)
+        stats.checkpoint_bytes = files.total_bytes
+        skeleton_dtype, may_cast = _resolve_dtype(dtype, config, files, device)
+        model = _skeleton(config, files, model_class, skeleton_dtype, quantization, quantize, stats)
+        load = _StreamingLoad(model, loaded.context, files, read_mode="sliced", may_cast=may_cast, stats=stats,
+                              progress=None, load_concurrency=load_concurrency)
+        difference = manifest_difference(loaded.manifest, load.manifest(), sides=("served", "in the new checkpoint"))
+        if difference is not None:
+            raise ShapeMismatchError(f"the checkpoint makes another model than the one served: {difference}",
+                                     path=model_dir)
+        load.check_complete()
+    if check_only:
+        return stats
+    with stats.phase("stream"):
+        load.into = held_tensors(loaded.model)
+        try:
+            load.run()
+        except Exception as e:
+            if stats.tensors_written:
+                raise PartialUpdateError(f"{stats.tensors_written} tensor(s) written before {type(e).__name__}: {e}",
+                                         path=model_dir) from e
+            raise
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return stats
+
+
 def _is_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -683,15 +850,7 @@ def load_hsdp_model(
             tokenizer = load_tokenizer(model_dir, required=require_tokenizer)
             generation_config = load_generation_config(model_dir)
         with stats.phase("skeleton"):
-            model = build_skeleton(config, model_class, skeleton_dtype)
-            if quantization is not None:
-                stats.quantized_layers = _quantize_skeleton(model, quantization, files)
-                if quantize and _is_rank_zero():
-                    logger.info("--quantization %s ignored: the checkpoint ships quantized (%s)", quantize,
-                                quantization.method)
-            elif quantize:
-                names = set(_model_named_tensors(model, files)[0])
-                stats.quantized_layers = quantize_skeleton_on_load(model, quantize, skeleton_dtype, names)
+            model = _skeleton(config, files, model_class, skeleton_dtype, quantization, quantize, stats)
             if generation_config is not None and hasattr(model, "generation_config"):
                 model.generation_config = generation_config
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, see _agree

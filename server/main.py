@@ -175,17 +175,25 @@ def serve_rank(cfg: ServeConfig, source) -> None:
                 sharing = state.weight_sharing = WeightSharing(loaded.manifest, loaded.fingerprint, mesh_shape,
                                                                device, cfg.peer_timeout_s, state.metrics)
             on_share = share_hook(loaded, mesh_shape, rank, sharing)
+        from server.weights import WeightsAdmin, apply_update
+
+        def on_update(update):
+            return apply_update(loaded, cfg, group.residency, update)
+
         if rank == 0:
             scheduler = _build_router(cfg, loaded, groups, per_rank, state, device)
+            admin = state.weights_admin = WeightsAdmin(loaded, cfg, source.path, state.metrics)
+            admin.router, admin.sharing, admin.state = scheduler, sharing, state
+            state.metrics.weights_version.labels(admin.version).set(1)
             if sharing is not None:
-                sharing.router = scheduler
+                sharing.router, sharing.admin = scheduler, admin
             _open_for_requests(cfg, state, scheduler, loaded, engine, per_rank, group)
         else:
             ignore_stop_signals()
         watchdog = StepWatchdog(cfg.step_timeout_s, on_timeout=lambda why: fail_open_requests(state, scheduler, why))
         watchdog.start()
         drivers = drive_other_groups(state, scheduler, channels, cfg) if rank == 0 else []
-        run_engine_loop(engine, channel, scheduler.schedulers[0] if rank == 0 else None, watchdog, on_share)
+        run_engine_loop(engine, channel, scheduler.schedulers[0] if rank == 0 else None, watchdog, on_share, on_update)
         for driver in drivers:
             driver.join()
         watchdog.stop()

@@ -65,6 +65,7 @@ class WeightSharing:
         self.backend = transfer_backend(device)
         self.timeout_s, self.metrics = timeout_s, metrics
         self.router = None  # set once the schedulers exist (server.main)
+        self.admin = None  # server.weights.WeightsAdmin: no transfer while the weights change
         self._lock = threading.Lock()
         self._active: dict | None = None  # the running transfer: its store, key, start
         self.transfers: list[dict] = []  # the last few, for /info
@@ -102,6 +103,9 @@ class WeightSharing:
         with self._lock:
             if self._active is not None:
                 raise UnavailableError("a transfer to another peer group is running", headers={"Retry-After": "5"})
+            if self.admin is not None and self.admin.lock.locked():
+                raise UnavailableError("the weights are being updated (POST /admin/weights)",
+                                       headers={"Retry-After": "5"})
             store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=self.timeout_s))
             key = secrets.token_hex(16)
@@ -125,6 +129,10 @@ class WeightSharing:
         if self.metrics is not None:
             self.metrics.peer_transfers.labels("sent", "ok" if error is None else "failed").inc()
             self.metrics.peer_bytes.labels("sent").inc(sent)
+
+    @property
+    def busy(self) -> bool:
+        return self._active is not None
 
     def _refused(self) -> None:
         if self.metrics is not None:

@@ -92,16 +92,19 @@ def manifest_digest(slots: list[Slot]) -> str:
     return hashlib.sha256(json.dumps([s.to_json() for s in slots]).encode()).hexdigest()
 
 
-def manifest_difference(ours: list[Slot], theirs: list[Slot]) -> str | None:
-    """None where the sender's manifest (``ours``) equals the receiver's, else the first difference."""
+def manifest_difference(ours: list[Slot], theirs: list[Slot],
+                        sides: tuple[str, str] = ("on the sender", "on the receiver")) -> str | None:
+    """None where manifest ``ours`` equals ``theirs``, else the first difference in words
+    (``sides``: how to name where each is)."""
+    mine, other = sides
     for a, b in zip(ours, theirs):
         if a != b:
             if a.name != b.name:
-                return f"tensor {theirs.index(b)} is {b.name!r} on the receiver, {a.name!r} on the sender"
-            return (f"{a.name}: {list(b.shape)} {b.dtype}{' sharded' if b.sharded else ''} on the receiver, "
-                    f"{list(a.shape)} {a.dtype}{' sharded' if a.sharded else ''} on the sender")
+                return f"tensor {theirs.index(b)} is {b.name!r} {other}, {a.name!r} {mine}"
+            return (f"{a.name}: {list(b.shape)} {b.dtype}{' sharded' if b.sharded else ''} {other}, "
+                    f"{list(a.shape)} {a.dtype}{' sharded' if a.sharded else ''} {mine}")
     if len(ours) != len(theirs):
-        return f"{len(theirs)} tensors on the receiver, {len(ours)} on the sender"
+        return f"{len(theirs)} tensors {other}, {len(ours)} {mine}"
     return None
 
 

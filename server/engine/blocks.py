@@ -109,6 +109,15 @@ class BlockPool:
         self._key_of[block] = key
         self._block_of[key] = block
 
+    def forget_prefixes(self) -> None:
+        """Drop every cached prefix (new weights: what the blocks hold was computed by the old ones);
+        blocks nobody references become free, referenced ones stay their sequences'."""
+        for block in list(self._evictable):
+            self._free.append(block)
+        self._evictable.clear()
+        self._key_of.clear()
+        self._block_of.clear()
+
     def count_lookup(self, tokens: int, hit: int) -> None:
         self.queries += tokens
         self.hits += hit

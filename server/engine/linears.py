@@ -149,6 +149,17 @@ def plain_forwards(modules) -> Iterator[None]:
             m.forward = _forward.__get__(m)
 
 
+def repack_linears(model: nn.Module) -> int:
+    """Pack again every linear :func:`pack_linears` packed (its weight's values changed in place:
+    new weights, ``server.weights``); returns the copies' bytes, 0 where none were packed."""
+    packed = [m for m in _resident_linears(model) if "forward" in m.__dict__]
+    if not packed:
+        return 0
+    for module in packed:
+        _PACKED.pop(module.weight.data_ptr(), None)
+    return pack_linears(model)
+
+
 def unpack_linears(model: nn.Module) -> None:
     """Undo :func:`pack_linears` for ``model`` (forwards back to ``nn.Linear``'s, copies dropped)."""
     for module in model.modules():

@@ -52,6 +52,25 @@ class PeerShare:
 
 
 @dataclass
+class WeightUpdate:
+    """Stream the checkpoint at ``source`` into this rank's shards now, between two steps
+    (``server.weights``); the plan carries no work, and the step group holds until every group
+    has updated."""
+
+    source: str
+    version: str
+
+
+@dataclass
+class UpdateReport:
+    """What a rank's update did: bytes read, seconds, or why it wrote nothing."""
+
+    bytes_read: int
+    seconds: float
+    error: str | None = None
+
+
+@dataclass
 class StepPlan:
     """Rank 0's decisions for one step; every rank receives the same plan."""
 
@@ -62,6 +81,7 @@ class StepPlan:
     shutdown: bool = False
     threads: int = 0  # intra-op threads a rank with work uses this step (server.engine.cores); 0: its own
     share: PeerShare | None = None  # a peer group asked for the weights (server.peer)
+    update: WeightUpdate | None = None  # new weights now (server.weights)
 
 
 @dataclass
@@ -96,3 +116,4 @@ class StepResult:
     memory: dict | None = None  # the rank's memory report, every few seconds (server.group.memory)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     forwards: int = 0  # cumulative forward passes this rank ran (idle one-token forwards included)
+    update: UpdateReport | None = None  # the plan's WeightUpdate, done

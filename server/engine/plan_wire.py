@@ -15,11 +15,22 @@ import dataclasses
 import types
 import typing
 
-from server.engine.plan import PeerShare, PromptLogprobs, SequenceAdd, StepPlan, StepResult, TokenResult, Work
+from server.engine.plan import (
+    PeerShare,
+    PromptLogprobs,
+    SequenceAdd,
+    StepPlan,
+    StepResult,
+    TokenResult,
+    UpdateReport,
+    WeightUpdate,
+    Work,
+)
 from server.engine.sampling import SamplingParams
 from shard_engine.wire import WireError
 
-RECORDS = (SamplingParams, SequenceAdd, Work, PeerShare, StepPlan, TokenResult, PromptLogprobs, StepResult)
+RECORDS = (SamplingParams, SequenceAdd, Work, PeerShare, WeightUpdate, UpdateReport, StepPlan, TokenResult,
+           PromptLogprobs, StepResult)
 """The only classes that cross the control channel."""
 
 _NONE = type(None)

@@ -155,6 +155,12 @@ class Scheduler:
         self._running: dict[int, RequestHandle] = {}  # seq_id -> handle, in admission order
         self._to_remove: list[RequestHandle] = []
         self._share = None  # a PeerShare for the next plan (share_weights)
+        self._update = None  # (WeightUpdate, mode) not yet planned (update_weights)
+        self._go = False  # every group is quiet: plan the update (start_update)
+        self._holding = False  # quiet for an update: no work until release_update
+        self.update_reports: list = []  # its ranks' UpdateReports of the last update
+        self.quiet = threading.Event()  # this group holds, nothing running (or kept): it may update
+        self.updated = threading.Event()  # every rank of the group has reported
         self._ids = itertools.count()
         self._shutdown = threading.Event()
         self._shutdown_deadline = float("inf")
@@ -200,6 +206,31 @@ class Scheduler:
         """Hand the next plan a ``PeerShare`` (its ranks start sending to a peer group; steps go on)."""
         self._inbox.put(("share", share))
 
+    def update_weights(self, update, mode: str) -> None:
+        """Plan ``update`` (a ``WeightUpdate``) as vLLM's pause modes say: ``wait`` lets the running
+        sequences finish first (new ones wait), ``abort`` ends them now with an error, ``keep``
+        updates at the next step and goes on with them (their cached keys and values are the old
+        weights'). Admission stops at once; once its running sequences are done (or kept) the group
+        holds, stepping nothing, and sets ``quiet``; :meth:`start_update` then plans the update
+        step, ``updated`` is set once every rank has reported, and the group holds until
+        :meth:`release_update`. Two phases, so that no group writes weights while another still
+        computes with them (a host's ranks share their resident copy)."""
+        self.quiet.clear()
+        self.updated.clear()
+        self.update_reports = []
+        self._inbox.put(("update", (update, mode)))
+
+    def start_update(self) -> None:
+        self._inbox.put(("go", None))
+
+    def release_update(self) -> None:
+        self._inbox.put(("release", None))
+
+    @property
+    def paused(self) -> bool:
+        """An update is planned or this group holds for the others: nothing is admitted."""
+        return self._update is not None or self._holding
+
     def request_shutdown(self, timeout_s: float = float("inf")) -> None:
         """Stop once the open requests have finished, or after ``timeout_s`` whatever remains."""
         self._shutdown_deadline = time.monotonic() + timeout_s
@@ -229,16 +260,25 @@ class Scheduler:
     def next_plan(self) -> StepPlan:
         """The plan for the next step; blocks up to ``idle_wait_s`` while nothing runs."""
         idle = not self._running and not self._waiting and not self._to_remove
-        self._drain_inbox(block=idle)
+        self._drain_inbox(block=idle or (self._holding and not self._go))
         plan = StepPlan()
         for handle in self._to_remove:
             self._release(handle, plan)
         self._to_remove = []
-        continuing = self._plan_decodes(plan)
-        budget = self._prefill_budgets(continuing)
-        self._admit(plan, budget)
-        for handle in continuing:  # the rest of longer prompts, after new requests' first chunks
-            self._plan_chunk(handle, plan, budget)
+        if self._update is not None and not self._holding and (self._update[1] == "keep" or not self._running):
+            self._holding = True  # quiet: the router starts every group's update once all are
+            self.quiet.set()
+        if self._holding and self._go and self._update is not None:
+            plan.update, self._update, self._go = self._update[0], None, False  # no work: every rank updates
+            for pool in self.pools:  # what the cache holds was computed by the old weights
+                pool.forget_prefixes()
+        elif not self._holding:
+            continuing = self._plan_decodes(plan)
+            budget = self._prefill_budgets(continuing)
+            if self._update is None:
+                self._admit(plan, budget)
+            for handle in continuing:  # the rest of longer prompts, after new requests' first chunks
+                self._plan_chunk(handle, plan, budget)
         plan.forward = any(plan.work.values())
         plan.share, self._share = self._share, None
         if self._shutdown.is_set() and time.monotonic() > self._shutdown_deadline:
@@ -266,6 +306,17 @@ class Scheduler:
                 self._end(handle)
             elif kind == "share":
                 self._share = handle
+            elif kind == "update":
+                self._update = handle
+                if handle[1] == "abort":
+                    for running in list(self._running.values()):
+                        self._end(running)
+                        running.deliver(ErrorEvent("aborted: the server's weights are being updated "
+                                                   "(POST /admin/weights, mode abort)"))
+            elif kind == "go":
+                self._go = True
+            elif kind == "release":
+                self._holding = False
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -467,6 +518,10 @@ class Scheduler:
     # -- results -----------------------------------------------------------------------------
     def on_results(self, results: list[StepResult]) -> None:
         for result in results:
+            if result.update is not None:
+                self.update_reports.append((result.rank, result.update))
+                if len(self.update_reports) == len(self.rank_ids):
+                    self.updated.set()
             local = self._local[result.rank]
             self.rank_stats[local] = result
             if result.memory is not None:
@@ -542,6 +597,8 @@ class Scheduler:
         started = self._step_started
         if started is not None:
             return max(0.0, now - started)
+        if self._holding:  # waiting for the other groups' weight updates, not stuck
+            return 0.0
         if self._running or self._waiting or not self._inbox.empty():
             return max(0.0, now - self._planned_at)
         return 0.0

@@ -107,6 +107,33 @@ class StepGroupRouter:
         for s in self.schedulers:
             s.share_weights(share)
 
+    def update_weights(self, update, mode: str, failed=lambda: False) -> list:
+        """Every step group updates (``Scheduler.update_weights``); once all have, all resume
+        together (a host's ranks share their resident weights: none may step on rows another is
+        still writing). Returns every rank's (rank, UpdateReport); RuntimeError where ``failed()``
+        turns true first (the group went down)."""
+        for s in self.schedulers:
+            s.update_weights(update, mode)
+        try:
+            self._wait_all("quiet", failed)  # nothing computes anywhere...
+            for s in self.schedulers:
+                s.start_update()  # ...before any rank writes
+            self._wait_all("updated", failed)
+        finally:
+            for s in self.schedulers:
+                s.release_update()
+        return sorted(r for s in self.schedulers for r in s.update_reports)
+
+    def _wait_all(self, event: str, failed) -> None:
+        for s in self.schedulers:
+            while not getattr(s, event).wait(0.5):
+                if failed():
+                    raise RuntimeError("the model group failed during the weight update")
+
+    @property
+    def paused(self) -> bool:
+        return any(s.paused for s in self.schedulers)
+
     def request_shutdown(self, timeout_s: float = float("inf")) -> None:
         for s in self.schedulers:
             s.request_shutdown(timeout_s)

@@ -80,7 +80,7 @@ def control_channels(timeout_s: float, replicas: list[list[int]]) -> list[Contro
 
 
 def run_engine_loop(engine: RankEngine | None, channel: ControlChannel, scheduler=None, watchdog=None,
-                    on_share=None) -> None:
+                    on_share=None, on_update=None) -> None:
     """Step until rank 0 plans a shutdown. Rank 0 passes the replica's scheduler; the others pass
     None. ``engine`` None: rank 0 stepping a replica it is not in (a thread of its own): it plans,
     sends and waits for the tokens, and an idle replica gets an empty plan each idle wait (its
@@ -88,6 +88,8 @@ def run_engine_loop(engine: RankEngine | None, channel: ControlChannel, schedule
 
     ``on_share(PeerShare)``: a plan asks this rank to send its shards to a peer group; called on
     the stepping thread between two steps, it starts a thread of its own and returns.
+    ``on_update(WeightUpdate) -> UpdateReport``: a plan brings new weights; called on the stepping
+    thread (the plan has no work), its report goes back with the step's result.
 
     Symmetry: every rank receives every plan and answers it, so all ranks take the same
     number of steps and enter the same forwards. An exception on any rank ends its loop; the
@@ -109,8 +111,11 @@ def run_engine_loop(engine: RankEngine | None, channel: ControlChannel, schedule
             return
         if plan.share is not None and engine is not None and on_share is not None:
             on_share(plan.share)
+        report = on_update(plan.update) if plan.update is not None and engine is not None and on_update else None
         t1 = clock()
         result = engine.step(plan) if engine is not None else None
+        if result is not None:
+            result.update = report
         t2 = clock()
         results = channel.gather_results(result)
         t3 = clock()

@@ -89,7 +89,8 @@ def build_app(state: ServerState, cfg=None) -> FastAPI:
             "residency": state.residency,
             "quantization": state.quantization,
             "weights": dict(state.weights or {}, sharing=state.weight_sharing.describe()
-                            if state.weight_sharing is not None else {"enabled": False}),
+                            if state.weight_sharing is not None else {"enabled": False},
+                            served=state.weights_admin.describe() if state.weights_admin is not None else None),
         }
         scheduler = state.scheduler
         if scheduler is not None:

@@ -48,6 +48,13 @@ class ServerMetrics:
                                       ["role", "outcome"], registry=r)
         self.peer_bytes = Counter("hsdp_peer_bytes", "Bytes of shards rank 0 sent to or received from peer groups",
                                   ["role"], registry=r)
+        self.weight_updates = Counter("hsdp_weight_updates", "POST /admin/weights by outcome (ok, refused, failed)",
+                                      ["outcome"], registry=r)
+        self.weight_update_seconds = Histogram("hsdp_weight_update_seconds", "Seconds a weight update took, from "
+                                               "the request to every group serving the new weights",
+                                               buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600), registry=r)
+        self.weights_version = Gauge("hsdp_weights_version", "1 for the version of the weights served now (its "
+                                     "label), 0 for versions served before", ["version"], registry=r)
         self.sharded_units = Gauge("hsdp_sharded_units", "FSDP units the model is sharded into", registry=r)
         self.resident_units = Gauge("hsdp_resident_units",
                                     "Units that keep their gathered parameters (--resident-units)", registry=r)

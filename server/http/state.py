@@ -56,6 +56,7 @@ class ServerState:
     chat: object | None = None  # server.api.openai.chat.ChatRenderer: chat template and tool-call format
     liveness_timeout_s: float = 60.0  # --liveness-timeout: /health fails past it (stalled_for)
     weight_sharing: object | None = None  # server.peer.WeightSharing with --share-weights
+    weights_admin: object | None = None  # server.weights.WeightsAdmin: the served version, POST /admin/weights
     weights: dict | None = None  # where the weights came from (/info): source, fingerprint, peer transfer
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

@@ -1,0 +1,134 @@
+"""New weights into a running server (``POST /admin/weights``; ``server.weights``,
+``loaders.update_hsdp_model``): while streams run, each mode does what it says (``wait``: they
+finish on the old weights; ``abort``: they end with an error event; ``keep``: they go on), the
+greedy tokens afterwards are transformers' on the new checkpoint, each rank reads about half of it,
+and a missing source, a checkpoint of another shape and a truncated file are each a 4xx naming
+what is wrong while the old weights keep serving exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+
+import pytest
+
+from tests.checkpoints import PROMPTS, assert_greedy_tokens, reference_generate, write_checkpoint
+from tests.server_process import ServerProcess
+
+TOKENS = 8
+STREAM_TOKENS = 24
+# one step group of both ranks (nothing resident: every forward gathers), each step 50 ms longer:
+# a stream of 24 tokens runs over a second, long enough to be running when an update comes
+ARGS = ("--kv-cache-memory", "8MiB", "--resident-units", "0")
+ENV = {"HSDP_INJECT_FORWARD_DELAY": "0:0.05"}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weights")
+    a = write_checkpoint(root / "a", "llama", seed=0)
+    b = write_checkpoint(root / "b", "llama", seed=1)
+    server = ServerProcess(a, extra_args=ARGS, env=ENV, log_path=root / "server.log")
+    server.root, server.paths = root, {"a": a, "b": b}
+    server.references = {name: reference_generate(path, max_new_tokens=TOKENS) for name, path in server.paths.items()}
+    with server:
+        yield server
+
+
+def _update(server, name: str, **body) -> dict:
+    r = server.client.post("/admin/weights", json={"source": server.paths[name], "version": name, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream(server, out: list) -> threading.Thread:
+    def run():
+        with server.client.stream("POST", "/generate_stream", json={
+                "inputs": PROMPTS[1], "parameters": {"max_new_tokens": STREAM_TOKENS, "stop": []}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    out.append(json.loads(line[5:]))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _running_streams(server, n: int) -> tuple[list[threading.Thread], list[list]]:
+    outs = [[] for _ in range(n)]
+    threads = [_stream(server, out) for out in outs]
+    from tests.waiting import wait_until
+
+    wait_until(lambda: all(outs), 30, "every stream's first token")
+    return threads, outs
+
+
+def test_wait_lets_running_streams_finish_on_the_old_weights_then_serves_the_new(served):
+    _update(served, "a")  # (the fixture's own; a no-op when it already serves a)
+    old_stream = reference_generate(served.paths["a"], PROMPTS[1:2], STREAM_TOKENS)[0]
+    threads, outs = _running_streams(served, 2)
+    outcome = _update(served, "b", mode="wait")
+    for thread, out in zip(threads, outs):
+        thread.join(30)
+        assert not thread.is_alive() and len(out) == STREAM_TOKENS
+        assert [e["token"]["id"] for e in out] == old_stream, "a running stream finished on the old weights"
+    assert_greedy_tokens(served, served.references["b"], TOKENS)
+    checkpoint = sum(os.path.getsize(os.path.join(served.paths["b"], n))
+                     for n in os.listdir(served.paths["b"]) if n.endswith(".safetensors"))
+    assert all(0.4 * checkpoint < read < 0.6 * checkpoint for read in outcome["bytes_read_per_rank"]), outcome
+    state = served.client.get("/admin/weights").json()
+    assert state["version"] == "b" and state["source"] == served.paths["b"] and state["in_progress"] is None
+    metrics = served.client.get("/metrics").text
+    assert 'hsdp_weights_version{version="b"} 1.0' in metrics and 'hsdp_weight_updates_total{outcome="ok"}' in metrics
+
+
+def test_abort_ends_running_streams_with_an_error_event(served):
+    threads, outs = _running_streams(served, 1)
+    _update(served, "a", mode="abort")
+    threads[0].join(30)
+    assert "error" in outs[0][-1] and "aborted" in outs[0][-1]["error"], outs[0][-1]
+    assert len(outs[0]) < STREAM_TOKENS + 1
+    assert_greedy_tokens(served, served.references["a"], TOKENS)
+
+
+def test_keep_goes_on_with_the_running_streams(served):
+    threads, outs = _running_streams(served, 1)
+    _update(served, "b", mode="keep")
+    threads[0].join(30)
+    assert len(outs[0]) == STREAM_TOKENS and outs[0][-1]["details"]["finish_reason"] == "length"
+    assert_greedy_tokens(served, served.references["b"], TOKENS)
+
+
+def test_a_wrong_checkpoint_is_refused_naming_it_and_the_old_weights_serve_on(served, tmp_path):
+    _update(served, "a")
+    other_shape = write_checkpoint(tmp_path / "gpt2", "gpt2")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(served.paths["b"], truncated)
+    shard = sorted(p for p in truncated.iterdir() if p.suffix == ".safetensors")[-1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    cases = [({"source": str(tmp_path / "missing")}, "no such directory"),
+             ({"source": other_shape}, "another model than the one served"),
+             ({"source": str(truncated)}, shard.name),
+             ({"source": served.paths["b"], "mode": "later"}, "mode"),
+             ({"source": "s3://bucket/x"}, "not implemented"),
+             ({"source": served.paths["b"], "extra": 1}, "extra")]
+    for body, words in cases:
+        r = served.client.post("/admin/weights", json=body)
+        assert r.status_code == 422 and words in r.json()["error"], (body, r.text)
+    assert served.client.get("/admin/weights").json()["version"] == "a"
+    assert_greedy_tokens(served, served.references["a"], TOKENS)
+
+
+def test_sglangs_route_updates_with_sglangs_request_body(served):
+    _update(served, "a")
+    r = served.client.post("/update_weights_from_disk", json={
+        "model_path": served.paths["b"], "weight_version": "b-sglang", "abort_all_requests": False, "flush_cache": True})
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert served.client.get("/get_model_info").json()["weight_version"] == "b-sglang"
+    assert_greedy_tokens(served, served.references["b"], TOKENS)
+    r = served.client.post("/update_weights_from_disk", json={"model_path": served.paths["b"] + "-missing"})
+    assert r.status_code == 400 and r.json()["success"] is False and "no such directory" in r.json()["message"]
+    r = served.client.post("/update_weights_from_disk", json={"model_path": served.paths["a"], "is_async": True})
+    assert r.status_code == 400 and "is_async" in r.json()["message"]
