@@ -178,12 +178,12 @@ def serve_rank(cfg: ServeConfig, source) -> None:
         from server.weights import WeightsAdmin, apply_update
 
         def on_update(update):
-            return apply_update(loaded, cfg, group.residency, update)
+            return apply_update(loaded, cfg, group.residency, update, mesh_shape)
 
         if rank == 0:
             scheduler = _build_router(cfg, loaded, groups, per_rank, state, device)
             admin = state.weights_admin = WeightsAdmin(loaded, cfg, source.path, state.metrics)
-            admin.router, admin.sharing, admin.state = scheduler, sharing, state
+            admin.router, admin.sharing, admin.state, admin.loaded_mesh = scheduler, sharing, state, mesh_shape
             state.metrics.weights_version.labels(admin.version).set(1)
             if sharing is not None:
                 sharing.router, sharing.admin = scheduler, admin

@@ -43,6 +43,7 @@ class WeightsAdmin:
         self.lock = threading.Lock()  # one update at a time; a peer transfer waits for it (server.peer)
         self.router = None
         self.sharing = None  # server.peer.WeightSharing with --share-weights
+        self.loaded_mesh: tuple[int, int] = (1, 1)  # this group's (replicas, shard size), for trainers
         self.state = None  # rank 0's ServerState: a failed group ends a wait
 
     def describe(self) -> dict:
@@ -55,6 +56,8 @@ class WeightsAdmin:
         from server.engine.plan import WeightUpdate
         from server.http.errors import ConflictError, InputValidationError, UnavailableError
 
+        if isinstance(body, dict) and body.get("source") == "trainer":
+            return self.from_trainer(body)
         source, version, mode = _parse(body)
         if self.router is None:
             raise UnavailableError("not serving yet", headers={"Retry-After": "1"})
@@ -101,6 +104,93 @@ class WeightsAdmin:
             self.running = None
             self.lock.release()
 
+    def from_trainer(self, body: dict) -> dict:
+        """``{"source": "trainer", "manifest", "mesh", "backend", "version"?, "mode"?}`` (what
+        ``server.trainer.push`` sends): the rendezvous for the trainer's ranks, answered at once;
+        the update runs on a thread of its own and ``GET /admin/weights`` tells when it is done."""
+        import datetime
+        import secrets
+
+        import torch.distributed as dist
+
+        from loaders.peer import transfer_backend
+        from server.engine.plan import TrainerTransfer, WeightUpdate
+        from server.http.errors import ConflictError, InputValidationError, UnavailableError
+        from shard_engine.transfer import Slot, slots_as_json
+
+        version, mode = body.get("version") or "trainer", body.get("mode", "wait")
+        _, version, mode = _parse({"source": "trainer", "version": version, "mode": mode})
+        mesh, manifest, backend = body.get("mesh"), body.get("manifest"), body.get("backend")
+        if not (isinstance(mesh, list) and len(mesh) == 2 and all(isinstance(m, int) and m >= 1 for m in mesh)):
+            raise InputValidationError("mesh: [replicas, shard size] of the trainer", param="mesh")
+        try:
+            theirs = {slot.name: slot for slot in (Slot.from_json(item) for item in manifest)}
+        except (TypeError, ValueError) as e:
+            raise InputValidationError(f"manifest: {e}", param="manifest") from None
+        ours = self.loaded.manifest
+        for slot in ours:
+            other = theirs.get(slot.name)
+            if other is None or other.shape != slot.shape:
+                self._count("refused")
+                held = "none" if other is None else list(other.shape)
+                raise InputValidationError(f"the trainer's model is not the one served: {slot.name} is "
+                                           f"{list(slot.shape)} here, {held} in the trainer", param="manifest")
+        if backend != transfer_backend(self.loaded.context.target_device):
+            raise InputValidationError(f"backend: this group receives over "
+                                       f"{transfer_backend(self.loaded.context.target_device)}", param="backend")
+        if self.router is None:
+            raise UnavailableError("not serving yet", headers={"Retry-After": "1"})
+        if not self.lock.acquire(blocking=False):
+            raise ConflictError("another weight update is running")
+        if self.sharing is not None and self.sharing.busy:
+            self.lock.release()
+            raise ConflictError("a transfer of the weights to a peer group is running (server.peer)")
+        timeout_s = max(self.cfg.peer_timeout_s, float(body.get("timeout_s") or 0))
+        try:
+            store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception:
+            self.lock.release()
+            raise
+        key = secrets.token_hex(16)
+        update = WeightUpdate(source="trainer", version=version, trainer=TrainerTransfer(
+            port=store.port, key=key, senders=(mesh[0], mesh[1]), backend=backend, timeout_s=timeout_s,
+            sent_sharded=[theirs[slot.name].sharded for slot in ours]))
+        self.running = {"source": "trainer", "version": version, "mode": mode, "phase": "updating",
+                        "started": time.time()}
+        threading.Thread(target=self._apply_from_trainer, args=(update, mode, store), daemon=True,
+                         name="hsdp-trainer-update").start()
+        return {"status": "accepted", "port": store.port, "key": key, "mesh": list(self.loaded_mesh),
+                "backend": backend, "timeout_s": timeout_s, "manifest": slots_as_json(ours), "version": version}
+
+    def _apply_from_trainer(self, update, mode: str, store) -> None:
+        began = time.perf_counter()
+        try:
+            reports = self.router.update_weights(update, mode, failed=self._group_failed)
+            errors = [f"rank {rank}: {r.error}" for rank, r in reports if r.error]
+            outcome = {"source": "trainer", "version": update.version, "mode": mode,
+                       "seconds": round(time.perf_counter() - began, 3),
+                       "bytes_received_per_rank": [r.bytes_read for _, r in reports],
+                       "update_seconds_per_rank": [r.seconds for _, r in reports]}
+            if errors:
+                outcome["error"] = "; ".join(errors)
+                self._count("failed")
+            else:
+                self.version, self.source, self.updated_at = update.version, "trainer", time.time()
+                self._count("ok")
+                if self.metrics is not None:
+                    self.metrics.weight_update_seconds.observe(outcome["seconds"])
+                    self.metrics.weights_version.labels(update.version).set(1)
+                logger.info("weights updated to %s from a trainer in %.2f s", update.version, outcome["seconds"])
+            self.last = outcome
+        except RuntimeError as e:
+            self.last = {"source": "trainer", "version": update.version, "error": str(e)}
+            self._count("failed")
+        finally:
+            del store  # (the transfer group formed long before: its store may go)
+            self.running = None
+            self.lock.release()
+
     def _check(self, source: str) -> None:
         from loaders import update_hsdp_model
 
@@ -128,7 +218,7 @@ def _parse(body) -> tuple[str, str, str]:
         raise InputValidationError(f"unknown field(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
     source, version, mode = body.get("source"), body.get("version"), body.get("mode", "wait")
     if not isinstance(source, str) or not source:
-        raise InputValidationError("source: a checkpoint directory", param="source")
+        raise InputValidationError("source: a checkpoint directory, or \"trainer\"", param="source")
     if "://" in source:
         raise InputValidationError("source: only a local checkpoint directory is updated from so far; s3:// and Hub "
                                    "ids are not implemented", param="source")
@@ -143,7 +233,7 @@ def _quantize(cfg) -> str | None:
     return None if cfg.quantization == "none" else cfg.quantization
 
 
-def apply_update(loaded, cfg, residency, update):
+def apply_update(loaded, cfg, residency, update, mesh_shape: tuple[int, int] = (1, 1)):
     """Every rank, on the update step: its rows of ``update.source`` into its shards, then what was
     built from them refreshed. An UpdateReport; an error before any write is reported (the old
     weights stand); one after raises :class:`PartialUpdateError` (the group must go down)."""
@@ -152,6 +242,12 @@ def apply_update(loaded, cfg, residency, update):
     from server.group.memory import release_freed_memory
 
     began = time.perf_counter()
+    if update.trainer is not None:
+        received = receive_from_trainer(loaded, update.trainer, mesh_shape)
+        if isinstance(received, str):
+            return UpdateReport(bytes_read=0, seconds=round(time.perf_counter() - began, 3), error=received)
+        _refresh(loaded.model, residency)
+        return UpdateReport(bytes_read=received, seconds=round(time.perf_counter() - began, 3))
     try:
         stats = update_hsdp_model(loaded, update.source, dtype=cfg.torch_dtype or "auto", quantize=_quantize(cfg),
                                   load_concurrency=cfg.load_concurrency)
@@ -163,6 +259,38 @@ def apply_update(loaded, cfg, residency, update):
     _refresh(loaded.model, residency)
     release_freed_memory()
     return UpdateReport(bytes_read=stats.bytes_read, seconds=round(time.perf_counter() - began, 3))
+
+
+def receive_from_trainer(loaded, transfer, mesh_shape: tuple[int, int]) -> int | str:
+    """This rank's rows of every served tensor from the trainer's ranks, received straight into its
+    shards: the bytes received, or why nothing was (the transfer group never formed). A failure once
+    bytes may have landed raises PartialUpdateError."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from shard_engine.transfer import held_tensors, open_transfer_group, receive_pieces, transfer_plan
+
+    senders = transfer.senders[0] * transfer.senders[1]
+    me = senders + dist.get_rank()
+    try:
+        store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), transfer.port, is_master=False,
+                              timeout=datetime.timedelta(seconds=transfer.timeout_s))
+        device = loaded.context.target_device
+        group = open_transfer_group(store, transfer.key, me, senders + dist.get_world_size(), transfer.backend,
+                                    transfer.timeout_s, device if device.type == "cuda" else None)
+    except (RuntimeError, ValueError, OSError) as e:
+        return f"the trainer's ranks did not join: {type(e).__name__}: {e}"
+    plan = transfer_plan(loaded.manifest, transfer.senders, mesh_shape, sent_sharded=transfer.sent_sharded)
+    received = 0
+    try:
+        for _, rows in receive_pieces(group, me, loaded.manifest, plan, loaded.context.target_device,
+                                      into=held_tensors(loaded.model)):
+            received += rows.numel() * rows.element_size()
+    except Exception as e:
+        raise PartialUpdateError(f"receiving from the trainer failed after {received} bytes: {type(e).__name__}: {e}",
+                                 path="trainer") from e
+    return received
 
 
 def _refresh(model, residency) -> None:

@@ -111,7 +111,7 @@ def manifest_difference(ours: list[Slot], theirs: list[Slot],
 @dataclass(frozen=True)
 class Piece:
     """Rows ``[start, stop)`` of manifest tensor ``index`` from transfer rank ``src`` to ``dst``;
-    ``whole``: the entire tensor (a scalar too)."""
+    ``whole``: a scalar (no rows), sent entire."""
 
     index: int
     src: int
@@ -121,23 +121,29 @@ class Piece:
     whole: bool
 
 
-def transfer_plan(slots: list[Slot], senders: tuple[int, int], receivers: tuple[int, int]) -> list[Piece]:
+def transfer_plan(slots: list[Slot], senders: tuple[int, int], receivers: tuple[int, int],
+                  sent_sharded: list[bool] | None = None) -> list[Piece]:
     """Every piece of a transfer from a (replicas, shard size) mesh of ``senders`` to one of
-    ``receivers``, in manifest order per receiver. Receiving rank ``j`` reads from sending replica
-    ``j % replicas``; within it, a sharded tensor's rows from each shard holding some of them, a
-    whole one from shard ``j % shard size``."""
+    ``receivers``, in manifest order per receiver. A slot's ``sharded`` is how the receivers hold
+    it (their rows, or whole); ``sent_sharded`` how the senders do, where that differs (a trainer
+    shards what a server keeps whole, say; default: the same). Receiving rank ``j`` reads from
+    sending replica ``j % replicas``: its rows from each sending shard holding some of them, or,
+    where the senders hold the tensor whole, from shard ``j % shard size``."""
     replicas, shards = senders
     offset = replicas * shards
     out = []
     for j in range(receivers[0] * receivers[1]):
-        own_shard = j % receivers[1]
         base = (j % replicas) * shards
         for i, slot in enumerate(slots):
-            n = slot.shape[0] if slot.shape else 0
-            if not slot.sharded:
-                out.append(Piece(i, base + j % shards, offset + j, 0, n, True))
+            if not slot.shape:
+                out.append(Piece(i, base + j % shards, offset + j, 0, 0, True))
                 continue
-            lo, hi = shard_rows(n, receivers[1], own_shard)
+            n = slot.shape[0]
+            lo, hi = shard_rows(n, receivers[1], j % receivers[1]) if slot.sharded else (0, n)
+            if not (slot.sharded if sent_sharded is None else sent_sharded[i]):
+                if lo < hi:
+                    out.append(Piece(i, base + j % shards, offset + j, lo, hi, False))
+                continue
             for s in range(shards):
                 a, b = shard_rows(n, shards, s)
                 if max(a, lo) < min(b, hi):
@@ -185,6 +191,19 @@ def held_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
     return out
 
 
+def sharded_names(model: nn.Module) -> set[str]:
+    """Every name under which the model registers a parameter FSDP2 shards (tied names too)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for fp in fsdp_params(module):
+                for owner, attr in registered_as(fp):
+                    prefix = names[id(owner)]
+                    out.add(f"{prefix}.{attr}" if prefix else attr)
+    return out
+
+
 def open_transfer_group(store: dist.Store, key: str, rank: int, world_size: int, backend: str,
                         timeout_s: float, device: torch.device | None = None) -> dist.ProcessGroup:
     """A process group of ``world_size`` ranks over ``store`` (keys under ``key``), apart from the
@@ -210,6 +229,8 @@ def send_pieces(group: dist.ProcessGroup, rank: int, slots: list[Slot], plan: li
         slot = slots[piece.index]
         tensor, first = held[slot.name]
         data = tensor if piece.whole else tensor[piece.start - first:piece.stop - first]
+        if data.dtype != slot.torch_dtype:  # a trainer's float32 master weights for a bf16 server, say
+            data = data.to(slot.torch_dtype)
         data = data.contiguous()
         works.append(group.send([data], piece.dst, piece.index))
         sums.setdefault(piece.dst, []).append(checksum(data))
@@ -225,10 +246,13 @@ def send_pieces(group: dist.ProcessGroup, rank: int, slots: list[Slot], plan: li
 
 
 def receive_pieces(group: dist.ProcessGroup, rank: int, slots: list[Slot], plan: list[Piece],
-                   device: torch.device, window_bytes: int = 256 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+                   device: torch.device, window_bytes: int = 256 << 20,
+                   into: dict[str, tuple[torch.Tensor, int]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, this rank's rows of it) for every manifest tensor, in manifest order, as each
-    arrives; receives are posted up to ``window_bytes`` ahead of the one yielded. Once all are in,
-    the senders' checksums are compared; a mismatch raises ValueError naming the tensor."""
+    arrives; receives are posted up to ``window_bytes`` ahead of the one yielded. ``into``: receive
+    straight into these tensors (``held_tensors``' of a live model: its rows of each, in place)
+    instead of new ones. Once all are in, the senders' checksums are compared; a mismatch raises
+    ValueError naming the tensor."""
     mine: dict[int, list[Piece]] = {}
     for piece in plan:
         if piece.dst == rank:
@@ -238,19 +262,27 @@ def receive_pieces(group: dist.ProcessGroup, rank: int, slots: list[Slot], plan:
     next_index = 0
     got: dict[int, list[tuple[Piece, int]]] = {}  # src -> its pieces' checksums here, in its order
 
+    def target(slot: Slot, pieces: list[Piece]) -> tuple[torch.Tensor, int]:
+        if slot.sharded and slot.shape:
+            first = min((p.start for p in pieces), default=0)
+            shape = (sum(p.stop - p.start for p in pieces), *slot.shape[1:])
+        else:
+            first, shape = 0, slot.shape
+        if into is None:
+            return torch.empty(shape, dtype=slot.torch_dtype, device=device), first
+        tensor = into[slot.name][0]
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != slot.torch_dtype or not tensor.is_contiguous():
+            raise ValueError(f"{slot.name}: receiving {list(shape)} {slot.dtype} into {list(tensor.shape)} "
+                             f"{tensor.dtype}")
+        return tensor, first
+
     def post() -> None:
         nonlocal next_index, posted_bytes
         while next_index < len(slots) and (not pending or posted_bytes < window_bytes):
             i, slot = next_index, slots[next_index]
             pieces = mine.get(i, [])
-            if slot.sharded:
-                rows = sum(p.stop - p.start for p in pieces)
-                tensor = torch.empty((rows, *slot.shape[1:]), dtype=slot.torch_dtype, device=device)
-                first = pieces[0].start if pieces else 0
-                views = [(p, tensor[p.start - first:p.stop - first]) for p in pieces]
-            else:
-                tensor = torch.empty(slot.shape, dtype=slot.torch_dtype, device=device)
-                views = [(p, tensor) for p in pieces]
+            tensor, first = target(slot, pieces)
+            views = [(p, tensor if p.whole else tensor[p.start - first:p.stop - first]) for p in pieces]
             pending.append((i, tensor, [(p, v, group.recv([v], p.src, i)) for p, v in views]))
             posted_bytes += tensor.numel() * tensor.element_size()
             next_index += 1
@@ -280,8 +312,7 @@ def plan_bytes(slots: list[Slot], plan: list[Piece], rank: int) -> int:
     for p in plan:
         if p.dst == rank:
             slot = slots[p.index]
-            total += (p.stop - p.start) * slot.row_bytes if not p.whole else (
-                slot.torch_dtype.itemsize * _numel(slot.shape))
+            total += slot.torch_dtype.itemsize if p.whole else (p.stop - p.start) * slot.row_bytes
     return total
 
 
@@ -297,5 +328,5 @@ def slots_as_json(slots: list[Slot]) -> list:
 
 
 __all__ = ["Piece", "Slot", "checksum", "held_tensors", "manifest_difference", "manifest_digest",
-           "open_transfer_group", "plan_bytes", "receive_pieces", "send_pieces", "shard_rows", "slots_as_json",
+           "open_transfer_group", "plan_bytes", "receive_pieces", "send_pieces", "shard_rows", "sharded_names", "slots_as_json",
            "transfer_plan"]

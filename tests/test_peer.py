@@ -21,6 +21,18 @@ SLOTS = [Slot(f"t{n}", (n, 3), "float32", True) for n in (0, 1, 2, 5, 7, 64)] + 
     Slot("scalar", (), "float32", False), Slot("whole", (4, 2), "bfloat16", False)]
 
 
+def test_rows_sharded_on_one_side_only():
+    """A trainer shards what the server keeps whole (and the reverse): each receiving rank still gets
+    each of its rows once, from the senders that hold them."""
+    slots = [Slot("w", (7, 2), "float32", False), Slot("v", (5, 2), "float32", True)]
+    plan = transfer_plan(slots, (1, 3), (1, 2), sent_sharded=[True, False])
+    for j in range(2):
+        w = sorted((p.start, p.stop, p.src) for p in plan if p.dst == 3 + j and p.index == 0)
+        assert w == [(0, 3, 0), (3, 6, 1), (6, 7, 2)], "the whole of w, from the three shards that hold it"
+        v = [(p.start, p.stop) for p in plan if p.dst == 3 + j and p.index == 1]
+        assert v == [shard_rows(5, 2, j)], "its rows of v, from the one sender holding v whole"
+
+
 @pytest.mark.parametrize("senders,receivers", list(itertools.product(MESHES, MESHES)))
 def test_every_receiving_rank_gets_each_of_its_rows_once_from_a_sender_that_holds_it(senders, receivers):
     plan = transfer_plan(SLOTS, senders, receivers)
@@ -30,8 +42,11 @@ def test_every_receiving_rank_gets_each_of_its_rows_once_from_a_sender_that_hold
         for i, slot in enumerate(SLOTS):
             pieces = [p for p in plan if p.dst == offset + j and p.index == i]
             assert all(p.src // senders[1] == replica for p in pieces), "from its sending replica"
-            if not slot.sharded:
+            if not slot.shape:
                 assert len(pieces) == 1 and pieces[0].whole
+                continue
+            if not slot.sharded:
+                assert [(p.start, p.stop) for p in pieces] == [(0, slot.shape[0])], "a whole one from one sender"
                 continue
             lo, hi = shard_rows(slot.shape[0], receivers[1], j % receivers[1])
             rows = sorted(r for p in pieces for r in range(p.start, p.stop))

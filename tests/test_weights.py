@@ -3,7 +3,8 @@
 finish on the old weights; ``abort``: they end with an error event; ``keep``: they go on), the
 greedy tokens afterwards are transformers' on the new checkpoint, each rank reads about half of it,
 and a missing source, a checkpoint of another shape and a truncated file are each a 4xx naming
-what is wrong while the old weights keep serving exactly."""
+what is wrong while the old weights keep serving exactly; a 3-rank FSDP2 trainer pushes its
+shards into the 2-rank server (``server.trainer.push``); SGLang's route with SGLang's body."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import threading
 import pytest
 
 from tests.checkpoints import PROMPTS, assert_greedy_tokens, reference_generate, write_checkpoint
+from tests.dist import run_ranks, values
 from tests.server_process import ServerProcess
 
 TOKENS = 8
@@ -132,3 +134,35 @@ def test_sglangs_route_updates_with_sglangs_request_body(served):
     assert r.status_code == 400 and r.json()["success"] is False and "no such directory" in r.json()["message"]
     r = served.client.post("/update_weights_from_disk", json={"model_path": served.paths["a"], "is_async": True})
     assert r.status_code == 400 and "is_async" in r.json()["message"]
+
+
+def _train_and_push(rank, world_size, path, url, version):
+    """A trainer rank: the model of ``path`` sharded by FSDP2 over the trainer's 3 ranks (its
+    "trained" weights), pushed into the server."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from server.trainer import push
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return push(model, url, version=version)
+
+
+def test_an_fsdp2_trainer_pushes_its_shards_into_the_server(served, tmp_path):
+    _update(served, "a")
+    outcomes = values(run_ranks(_train_and_push, 3, tmp_path, served.paths["b"], served.url, "trained", timeout=180))
+    assert [o["version"] for o in outcomes] == ["trained"] * 3 and not outcomes[0].get("error"), outcomes[0]
+    assert_greedy_tokens(served, served.references["b"], TOKENS)
+    checkpoint = sum(os.path.getsize(os.path.join(served.paths["b"], n))
+                     for n in os.listdir(served.paths["b"]) if n.endswith(".safetensors"))
+    received = outcomes[0]["bytes_received_per_rank"]
+    assert len(received) == 2 and all(0.4 * checkpoint < r < 0.6 * checkpoint for r in received), received
+    sent = [o["bytes_sent_by_this_rank"] for o in outcomes]
+    assert 0.9 * checkpoint < sum(sent) < 1.1 * checkpoint, sent  # each row once, none gathered
+    assert served.client.get("/admin/weights").json()["version"] == "trained"

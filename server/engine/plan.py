@@ -52,13 +52,28 @@ class PeerShare:
 
 
 @dataclass
+class TrainerTransfer:
+    """Where a trainer's ranks send their shards (``server.trainer.push``): the transfer group on
+    rank 0's store at ``port`` under ``key``; the trainer's mesh; for each tensor of the served
+    manifest, whether the trainer holds it by rows."""
+
+    port: int
+    key: str
+    senders: tuple[int, int]
+    backend: str
+    timeout_s: float
+    sent_sharded: list[bool]
+
+
+@dataclass
 class WeightUpdate:
-    """Stream the checkpoint at ``source`` into this rank's shards now, between two steps
-    (``server.weights``); the plan carries no work, and the step group holds until every group
-    has updated."""
+    """New weights into this rank's shards now, between two steps (``server.weights``): the
+    checkpoint at ``source`` streamed, or with ``trainer`` received from a trainer's ranks; the
+    plan carries no work, and the step group holds until every group has updated."""
 
     source: str
     version: str
+    trainer: TrainerTransfer | None = None
 
 
 @dataclass

@@ -22,6 +22,7 @@ from server.engine.plan import (
     StepPlan,
     StepResult,
     TokenResult,
+    TrainerTransfer,
     UpdateReport,
     WeightUpdate,
     Work,
@@ -29,8 +30,8 @@ from server.engine.plan import (
 from server.engine.sampling import SamplingParams
 from shard_engine.wire import WireError
 
-RECORDS = (SamplingParams, SequenceAdd, Work, PeerShare, WeightUpdate, UpdateReport, StepPlan, TokenResult,
-           PromptLogprobs, StepResult)
+RECORDS = (SamplingParams, SequenceAdd, Work, PeerShare, TrainerTransfer, WeightUpdate, UpdateReport, StepPlan,
+           TokenResult, PromptLogprobs, StepResult)
 """The only classes that cross the control channel."""
 
 _NONE = type(None)
