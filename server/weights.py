@@ -78,7 +78,7 @@ class WeightsAdmin:
             self.running["phase"] = "updating"
             try:
                 reports = self.router.update_weights(WeightUpdate(source=source, version=version), mode,
-                                                     failed=self._group_failed)
+                                                     failed=self._group_failed, rolling=self._rolling())
             except RuntimeError as e:
                 self._count("failed")
                 raise UnavailableError(str(e)) from None
@@ -166,6 +166,7 @@ class WeightsAdmin:
     def _apply_from_trainer(self, update, mode: str, store) -> None:
         began = time.perf_counter()
         try:
+            # every serving rank joins the trainer's one transfer group at once: never rolled
             reports = self.router.update_weights(update, mode, failed=self._group_failed)
             errors = [f"rank {rank}: {r.error}" for rank, r in reports if r.error]
             outcome = {"source": "trainer", "version": update.version, "mode": mode,
@@ -198,6 +199,16 @@ class WeightsAdmin:
             raise CheckpointError("no such directory (a local checkpoint directory, as --model takes)", path=source)
         update_hsdp_model(self.loaded, source, dtype=self.cfg.torch_dtype or "auto", quantize=_quantize(self.cfg),
                           check_only=True)
+
+    def _rolling(self) -> list[list[int]] | None:
+        """With several replicas, their step groups (indices), to update one replica at a time."""
+        replicas, shard = self.loaded_mesh
+        if replicas < 2:
+            return None
+        out: dict[int, list[int]] = {}
+        for i, ranks in enumerate(self.router.replicas):
+            out.setdefault(ranks[0] // shard, []).append(i)
+        return [out[r] for r in sorted(out)]
 
     def _group_failed(self) -> bool:
         state = getattr(self, "state", None)

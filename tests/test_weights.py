@@ -166,3 +166,31 @@ def test_an_fsdp2_trainer_pushes_its_shards_into_the_server(served, tmp_path):
     sent = [o["bytes_sent_by_this_rank"] for o in outcomes]
     assert 0.9 * checkpoint < sum(sent) < 1.1 * checkpoint, sent  # each row once, none gathered
     assert served.client.get("/admin/weights").json()["version"] == "trained"
+
+
+def test_two_replicas_roll_one_always_serving(served):
+    """Replicas update one at a time (they share no weights): while replica 0 waits for its stream
+    to finish on the old weights, replica 1 answers every new request; then it updates in turn."""
+    from tests.waiting import wait_until
+
+    args = ("--kv-cache-memory", "8MiB", "--replicate-size", "2", "--shard-size", "1")
+    with ServerProcess(served.paths["a"], extra_args=args, env=ENV, log_path=served.root / "replicas.log") as server:
+        threads, outs = _running_streams(server, 1)  # both idle: replica 0 takes it, slowly (rank 0's delay)
+        result = {}
+        updater = threading.Thread(target=lambda: result.update(r=server.client.post(
+            "/admin/weights", json={"source": served.paths["b"], "version": "b"})), daemon=True)
+        updater.start()
+        wait_until(lambda: server.client.get("/admin/weights").json()["in_progress"] is not None, 30,
+                   "the update under way")
+        answered = []
+        while updater.is_alive() and len(answered) < 20:
+            r = server.client.post("/generate", json={"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 2}})
+            answered.append(r.status_code)
+        updater.join(60)
+        threads[0].join(30)
+        # answered while the update ran (all groups paused at once would have held them to its end)
+        assert len(answered) >= 3 and set(answered) == {200}, answered
+        assert result["r"].status_code == 200, result["r"].text
+        assert len(outs[0]) == STREAM_TOKENS  # finished on the old weights, not cut
+        for _ in range(2):  # both replicas, placed in turn
+            assert_greedy_tokens(server, served.references["b"], TOKENS)

@@ -67,6 +67,7 @@ class StepGroupRouter:
             return sum(pool.num_available for pool in s.pools)
 
         fitting = [s for s in self.schedulers if s.fits_ever(len(tokens))] or self.schedulers
+        fitting = [s for s in fitting if not s.paused] or fitting  # a replica updating its weights waits
         least = min(s.open_requests for s in fitting)
         if keys:
             # a cached prefix counts only while the replica has room in its running share and is within
@@ -107,25 +108,32 @@ class StepGroupRouter:
         for s in self.schedulers:
             s.share_weights(share)
 
-    def update_weights(self, update, mode: str, failed=lambda: False) -> list:
-        """Every step group updates (``Scheduler.update_weights``); once all have, all resume
-        together (a host's ranks share their resident weights: none may step on rows another is
-        still writing). Returns every rank's (rank, UpdateReport); RuntimeError where ``failed()``
-        turns true first (the group went down)."""
-        for s in self.schedulers:
-            s.update_weights(update, mode)
-        try:
-            self._wait_all("quiet", failed)  # nothing computes anywhere...
-            for s in self.schedulers:
-                s.start_update()  # ...before any rank writes
-            self._wait_all("updated", failed)
-        finally:
-            for s in self.schedulers:
-                s.release_update()
-        return sorted(r for s in self.schedulers for r in s.update_reports)
+    def update_weights(self, update, mode: str, failed=lambda: False, rolling: list[list[int]] | None = None) -> list:
+        """The step groups update (``Scheduler.update_weights``), in two phases: all quiet, then
+        all write, then all resume together (a host's ranks share their resident weights: none may
+        step on rows another is still writing). ``rolling``: the step groups (indices) of each
+        replica, updated one replica at a time while the others serve (placement skips a paused
+        group): replicas share no weights. Returns every rank's (rank, UpdateReport);
+        RuntimeError where ``failed()`` turns true first (the group went down)."""
+        reports = []
+        for indices in rolling or [list(range(len(self.schedulers)))]:
+            schedulers = [self.schedulers[i] for i in indices]
+            for s in schedulers:
+                s.update_weights(update, mode)
+            try:
+                self._wait_all(schedulers, "quiet", failed)  # nothing computes on these weights...
+                for s in schedulers:
+                    s.start_update()  # ...before any rank writes them
+                self._wait_all(schedulers, "updated", failed)
+            finally:
+                for s in schedulers:
+                    s.release_update()
+            reports += [r for s in schedulers for r in s.update_reports]
+        return sorted(reports)
 
-    def _wait_all(self, event: str, failed) -> None:
-        for s in self.schedulers:
+    @staticmethod
+    def _wait_all(schedulers, event: str, failed) -> None:
+        for s in schedulers:
             while not getattr(s, event).wait(0.5):
                 if failed():
                     raise RuntimeError("the model group failed during the weight update")
