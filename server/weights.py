@@ -54,18 +54,12 @@ class WeightsAdmin:
         """``POST /admin/weights``'s work (on a worker thread): checked, then applied; 4xx errors
         raised as the API's error classes, the old weights serving on."""
         from server.engine.plan import WeightUpdate
-        from server.http.errors import ConflictError, InputValidationError, UnavailableError
+        from server.http.errors import InputValidationError, UnavailableError
 
         if isinstance(body, dict) and body.get("source") == "trainer":
             return self.from_trainer(body)
         source, version, mode = _parse(body)
-        if self.router is None:
-            raise UnavailableError("not serving yet", headers={"Retry-After": "1"})
-        if not self.lock.acquire(blocking=False):
-            raise ConflictError("another weight update is running")
-        if self.sharing is not None and self.sharing.busy:
-            self.lock.release()
-            raise ConflictError("a transfer of the weights to a peer group is running (server.peer)")
+        self._take_lock()
         try:
             began = time.perf_counter()
             self.running = {"source": source, "version": version, "mode": mode, "phase": "checking",
@@ -115,7 +109,7 @@ class WeightsAdmin:
 
         from loaders.peer import transfer_backend
         from server.engine.plan import TrainerTransfer, WeightUpdate
-        from server.http.errors import ConflictError, InputValidationError, UnavailableError
+        from server.http.errors import InputValidationError
         from shard_engine.transfer import Slot, slots_as_json
 
         version, mode = body.get("version") or "trainer", body.get("mode", "wait")
@@ -138,13 +132,7 @@ class WeightsAdmin:
         if backend != transfer_backend(self.loaded.context.target_device):
             raise InputValidationError(f"backend: this group receives over "
                                        f"{transfer_backend(self.loaded.context.target_device)}", param="backend")
-        if self.router is None:
-            raise UnavailableError("not serving yet", headers={"Retry-After": "1"})
-        if not self.lock.acquire(blocking=False):
-            raise ConflictError("another weight update is running")
-        if self.sharing is not None and self.sharing.busy:
-            self.lock.release()
-            raise ConflictError("a transfer of the weights to a peer group is running (server.peer)")
+        self._take_lock()
         timeout_s = max(self.cfg.peer_timeout_s, float(body.get("timeout_s") or 0))
         try:
             store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
@@ -199,6 +187,19 @@ class WeightsAdmin:
             raise CheckpointError("no such directory (a local checkpoint directory, as --model takes)", path=source)
         update_hsdp_model(self.loaded, source, dtype=self.cfg.torch_dtype or "auto", quantize=_quantize(self.cfg),
                           check_only=True)
+
+    def _take_lock(self) -> None:
+        """Hold the one update's lock (the caller releases it), or say why not: 503 before serving,
+        409 while another update or a transfer to a peer group runs."""
+        from server.http.errors import ConflictError, UnavailableError
+
+        if self.router is None:
+            raise UnavailableError("not serving yet", headers={"Retry-After": "1"})
+        if not self.lock.acquire(blocking=False):
+            raise ConflictError("another weight update is running")
+        if self.sharing is not None and self.sharing.busy:
+            self.lock.release()
+            raise ConflictError("a transfer of the weights to a peer group is running (server.peer)")
 
     def _rolling(self) -> list[list[int]] | None:
         """With several replicas, their step groups (indices), to update one replica at a time."""
