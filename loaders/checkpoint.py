@@ -17,6 +17,10 @@ SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+FINGERPRINT_SAMPLES, FINGERPRINT_SAMPLE_BYTES = 64, 4096
+"""How many tensors' first bytes, and how many of each, :meth:`CheckpointFiles.fingerprint` reads."""
+
+
 @dataclass
 class CheckpointFiles:
     """The files of a checkpoint, in the order the index lists them, with their headers."""
@@ -25,18 +29,25 @@ class CheckpointFiles:
     files: list[str]  # absolute paths
     tensors: dict[str, tuple[str, TensorInfo]]  # checkpoint key -> (file, info)
     remote: dict = field(default_factory=dict)  # url -> loaders.remote.RemoteFile, for s3:// files
+    _fingerprint: str | None = field(default=None, repr=False, compare=False)  # fingerprint()'s, once read
 
     @property
     def total_bytes(self) -> int:
         return sum(info.nbytes for _, info in self.tensors.values())
 
-    def fingerprint(self, samples: int = 64, sample_bytes: int = 4096) -> str:
+    def fingerprint(self) -> str:
         """SHA-256 of what identifies the checkpoint wherever it is mounted: config.json's bytes,
         every tensor's key, dtype, shape and place in its file (by the file's name, not its path),
-        and the first ``sample_bytes`` of ``samples`` tensors spread over the keys (a fine-tune
+        and the first :data:`FINGERPRINT_SAMPLE_BYTES` of :data:`FINGERPRINT_SAMPLES` tensors
+        spread over the keys (a fine-tune
         saved like its base has the same headers, not the same values). Two copies of one
         checkpoint agree; a few small reads, never the weights (a peer's rows are checked by
-        their checksums as they arrive: ``shard_engine.transfer``)."""
+        their checksums as they arrive: ``shard_engine.transfer``). Read once per listing."""
+        if self._fingerprint is None:
+            self._fingerprint = self._read_fingerprint()
+        return self._fingerprint
+
+    def _read_fingerprint(self) -> str:
         import hashlib
 
         from loaders.safetensors_io import read_bytes
@@ -51,10 +62,10 @@ class CheckpointFiles:
             path, info = self.tensors[key]
             digest.update(f"{key}|{os.path.basename(path)}|{info.dtype}|{list(info.shape)}|{info.start}|"
                           f"{info.nbytes}\n".encode())
-        picked = keys[::max(1, -(-len(keys) // samples))]
+        picked = keys[::max(1, -(-len(keys) // FINGERPRINT_SAMPLES))]
         for key in picked:
             path, info = self.tensors[key]
-            nbytes = min(info.nbytes, sample_bytes)
+            nbytes = min(info.nbytes, FINGERPRINT_SAMPLE_BYTES)
             if not nbytes:
                 continue
             remote = self.remote.get(path)

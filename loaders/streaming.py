@@ -8,7 +8,6 @@ No collective runs while files are read: ranks only agree, twice, that no rank f
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -71,7 +70,7 @@ class LoadedModel:
     files: object | None = field(default=None, repr=False)  # loaders.checkpoint.CheckpointFiles
     source: str = "storage"  # where the rows came from: "storage", or "peer" (loaders.peer)
 
-    @functools.cached_property
+    @property
     def fingerprint(self) -> str:
         """The checkpoint's (``CheckpointFiles.fingerprint``: a few small reads, the first time)."""
         return self.files.fingerprint()
