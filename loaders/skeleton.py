@@ -32,6 +32,19 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original
 
 
+def auto_model_class(config):
+    """The Auto class that builds ``config``'s model: ``AutoModelForCausalLM``, or for an image-text
+    model transformers does not map to a causal LM (Llava, Qwen2-VL, ...)
+    ``AutoModelForImageTextToText``, which keeps its vision encoder."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, \
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def build_skeleton(config, model_class, dtype: torch.dtype) -> nn.Module:
     """Instantiate ``model_class`` for ``config`` with meta parameters and real buffers."""
     from transformers.initialization import no_init_weights

@@ -39,7 +39,7 @@ from loaders.quantization import quantization_plan, quantize_skeleton
 from loaders.quantization.linear import check_nothing_else_quantized
 from loaders.quantization.on_load import quantize_rows, quantize_skeleton_on_load
 from loaders.safetensors_io import read_rows
-from loaders.skeleton import build_skeleton, describe_layout, match_key_prefix
+from loaders.skeleton import auto_model_class, build_skeleton, describe_layout, match_key_prefix
 from loaders.stats import LoadStats, read_proc_status, reset_peak_rss
 from shard_engine import (
     HSDPInferenceConfig,
@@ -750,8 +750,6 @@ def update_hsdp_model(loaded: LoadedModel, model_dir: str, *, dtype: torch.dtype
     linears). A failure after the first write leaves the model part old, part new: the caller must
     not serve it. Returns the load's stats (``bytes_read``, ``tensors_written``)."""
     device = loaded.context.target_device
-    if model_class is None:
-        from transformers import AutoModelForCausalLM as model_class
     stats = LoadStats(read_mode="sliced")
     with stats.phase("preflight"):
         config = load_config(model_dir)
@@ -759,7 +757,8 @@ def update_hsdp_model(loaded: LoadedModel, model_dir: str, *, dtype: torch.dtype
         files = list_checkpoint_files(model_dir)
         stats.checkpoint_bytes = files.total_bytes
         skeleton_dtype, may_cast = _resolve_dtype(dtype, config, files, device)
-        model = _skeleton(config, files, model_class, skeleton_dtype, quantization, quantize, stats)
+        model = _skeleton(config, files, model_class or auto_model_class(config), skeleton_dtype, quantization,
+                          quantize, stats)
         load = _StreamingLoad(model, loaded.context, files, read_mode="sliced", may_cast=may_cast, stats=stats,
                               progress=None, load_concurrency=load_concurrency)
         difference = manifest_difference(loaded.manifest, load.manifest(), sides=("served", "in the new checkpoint"))
@@ -825,8 +824,6 @@ def load_hsdp_model(
     if not dist.is_initialized():
         raise RuntimeError("load_hsdp_model needs torch.distributed initialised (world size 1 is fine)")
     device = torch.device(device) if device is not None else default_device()
-    if model_class is None:
-        from transformers import AutoModelForCausalLM as model_class
     stats = LoadStats(read_mode=read_mode, rss_before_bytes=read_proc_status("VmRSS"))
     reset_peak_rss()
     if device.type == "cuda":
@@ -849,7 +846,8 @@ def load_hsdp_model(
             tokenizer = load_tokenizer(model_dir, required=require_tokenizer)
             generation_config = load_generation_config(model_dir)
         with stats.phase("skeleton"):
-            model = _skeleton(config, files, model_class, skeleton_dtype, quantization, quantize, stats)
+            model = _skeleton(config, files, model_class or auto_model_class(config), skeleton_dtype, quantization,
+                          quantize, stats)
             if generation_config is not None and hasattr(model, "generation_config"):
                 model.generation_config = generation_config
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, see _agree

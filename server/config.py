@@ -65,6 +65,7 @@ COMPILE_MODES = ("none", "decode")  # server.engine.compiled
 COMPILE_REGIONS = ("layer", "model")  # server.engine.compiled
 PACKED_LINEAR_MODES = ("auto", "on", "off")  # server.engine.linears
 QUANTIZE_ON_LOAD = ("none", "int8", "fp8")  # loaders.quantization.on_load
+MM_ENCODER_MODES = ("shard", "replicate")  # shard_engine.units.ENCODER_MODES
 TOOL_CALL_PARSERS = ("hermes",)  # server.api.openai.tools.FORMATS, checked there
 
 
@@ -224,6 +225,10 @@ class ServeConfig:
         "per output row (lm_head and embeddings stay as they are): int8 or fp8 (e4m3) weights, computed "
         "dequantized in the model's dtype; a checkpoint that ships quantized is served as it ships", "model",
         choices=QUANTIZE_ON_LOAD)
+    mm_encoder: str = option(
+        "shard", "an image-text model's vision encoder and projector: shard (FSDP units like the decoder's, each "
+        "rank reading and holding its rows) or replicate (whole on every rank: no all-gathers when it encodes)",
+        "model", choices=MM_ENCODER_MODES)
     read_mode: str = option("sliced", "sliced: each rank reads only its own rows; full: whole tensors", "model",
                             choices=READ_MODES)
     load_concurrency: int = option(8, "reads a rank keeps in flight: ranged GETs of an s3:// checkpoint; "
@@ -294,6 +299,20 @@ class ServeConfig:
         metavar="N")
     max_top_logprobs: int = option(20, "alternatives per token a request may ask for (logprobs, top_logprobs, "
                                    "top_n_tokens)", "limits", type=int, metavar="N")
+    max_images_per_request: int = option(
+        8, "images one request may bring (an image-text model's chat image_url parts, TGI's markdown images)", "limits",
+        type=int, metavar="N")
+    max_image_bytes: int = option(
+        20 * 10**6, "largest image file a request may bring (a data: URL's decoded bytes, a file, a download); a "
+        "data: URL counts against --max-body-bytes too", "limits", type=parse_size, metavar="BYTES")
+    max_image_pixels: int = option(
+        25 * 10**6, "most pixels (width x height) of one image, checked from its header before it is decoded",
+        "limits", type=int, metavar="N")
+    allowed_local_media_path: str | None = option(
+        None, "a directory whose files requests may name as images (file:// URLs); none when unset", "limits",
+        metavar="DIR")
+    allow_remote_media: bool = option(
+        False, "let requests name images by http:// and https:// URLs, fetched by rank 0", "limits", switch=True)
     max_tokenize_tokens: int = option(
         16384, "tokens one /tokenize answer may carry (its spans are built and written on rank 0's event loop); a "
         "longer text gets 4xx", "limits", type=int, metavar="N")
@@ -337,6 +356,8 @@ class ServeConfig:
                                        "timeouts", flag="--shutdown-timeout", type=float, metavar="S")
     collective_timeout_s: float = option(600.0, "bound on any single collective", "timeouts",
                                          flag="--collective-timeout", type=float, metavar="S")
+    media_timeout_s: float = option(10.0, "fetching one remote image (--allow-remote-media) may take this long",
+                                    "timeouts", flag="--media-timeout", type=float, metavar="S")
     peer_timeout_s: float = option(60.0, "a transfer of weights from or to a peer group (--load-from-peer, "
                                    "--share-weights) waiting this long for a rank is abandoned; the receiver then "
                                    "reads storage", "timeouts", flag="--peer-timeout", type=float, metavar="S")
@@ -403,14 +424,15 @@ class ServeConfig:
         if self.max_buffered_body_bytes < self.max_body_bytes:
             raise ValueError(f"--max-buffered-body-bytes ({self.max_buffered_body_bytes}) must be >= "
                              f"--max-body-bytes ({self.max_body_bytes})")
-        for name in ("max_connections", "max_sequences_per_request", "max_stop_sequence_chars", "max_tokenize_tokens"):
+        for name in ("max_connections", "max_sequences_per_request", "max_stop_sequence_chars", "max_tokenize_tokens",
+                     "max_image_bytes", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_stop_sequences", "max_top_logprobs"):
+        for name in ("max_stop_sequences", "max_top_logprobs", "max_images_per_request"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "slow_reader_timeout_s",
-                     "liveness_timeout_s", "peer_timeout_s"):
+                     "liveness_timeout_s", "peer_timeout_s", "media_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be positive")
         if self.api_key is not None:
@@ -431,6 +453,8 @@ class ServeConfig:
             raise ValueError(f"--max-batch-prefill-tokens must be >= 1, got {self.max_batch_prefill_tokens}")
         if self.load_from_peer is not None and not self.load_from_peer.startswith(("http://", "https://")):
             raise ValueError(f"--load-from-peer must be an http:// or https:// URL, got {self.load_from_peer!r}")
+        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
+            raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path!r} is not a directory")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("--served-model-name must not be empty")
 
@@ -445,10 +469,10 @@ class ServeConfig:
             if self.shard_size != -1:
                 replicate = max(1, world_size // self.shard_size)
             elif nodes > 1:
-                return HSDPInferenceConfig(replicate_size=nodes, shard_size=local_world_size)
+                return HSDPInferenceConfig(replicate_size=nodes, shard_size=local_world_size, encoder=self.mm_encoder)
             else:
                 replicate = 1
-        return HSDPInferenceConfig(replicate_size=replicate, shard_size=self.shard_size)
+        return HSDPInferenceConfig(replicate_size=replicate, shard_size=self.shard_size, encoder=self.mm_encoder)
 
     @property
     def torch_dtype(self):

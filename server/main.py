@@ -407,7 +407,9 @@ def _build_router(cfg: ServeConfig, loaded, groups, per_rank, state, device):
 def _open_for_requests(cfg: ServeConfig, state, scheduler, loaded, engine, per_rank, group: _Group) -> None:
     """Rank 0: what the APIs need of the model, the drain handler, the warm-up (ready once it ends)
     and the watch over this node's ranks."""
+    from server.api.media import ImagePrompts, MediaPolicy
     from server.api.openai.chat import ChatRenderer, read_chat_template
+    from server.engine.multimodal import takes_images
     from server.group.lifecycle import install_drain_handler, watch_local_ranks
     from server.group.memory import QuietReclaimer
 
@@ -418,7 +420,10 @@ def _open_for_requests(cfg: ServeConfig, state, scheduler, loaded, engine, per_r
     state.special_ids = frozenset(getattr(loaded.tokenizer, "all_special_ids", ()))
     state.vocab_size = min(len(loaded.tokenizer), getattr(loaded.config, "vocab_size", None) or 1 << 62)
     state.tokenizer, state.scheduler = loaded.tokenizer, scheduler
-    state.chat = ChatRenderer(loaded.tokenizer, read_chat_template(cfg.chat_template), cfg.tool_call_parser)
+    if takes_images(loaded.model):  # an image-text model: its processor expands images into their tokens
+        state.images, state.media = ImagePrompts.load(state.model_path, loaded.config), MediaPolicy.of(cfg)
+    state.chat = ChatRenderer(loaded.tokenizer, read_chat_template(cfg.chat_template), cfg.tool_call_parser,
+                              state.images)
     state.sampling_defaults = sampling_defaults(loaded.model)
     if state.sampling_defaults:
         logger.info("generation_config.json's sampling defaults apply to OpenAI requests that leave them unset: %s",

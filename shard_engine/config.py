@@ -36,11 +36,17 @@ class HSDPInferenceConfig:
     cpu_offload: bool = False
     """Keep sharded parameters in host memory and copy them to the accelerator for each forward."""
 
+    encoder: str = "shard"
+    """An image-text model's vision encoder and projector: FSDP units like the decoder's (``"shard"``)
+    or whole on every rank (``"replicate"``), as ``shard_engine.units.default_shard_conditions`` says."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.replicate_size, int) or self.replicate_size < 1:
             raise ValueError(f"replicate_size must be a positive int, got {self.replicate_size!r}")
         if not isinstance(self.shard_size, int) or (self.shard_size < 1 and self.shard_size != -1):
             raise ValueError(f"shard_size must be a positive int or -1, got {self.shard_size!r}")
+        if self.encoder not in ("shard", "replicate"):
+            raise ValueError(f"encoder must be 'shard' or 'replicate', got {self.encoder!r}")
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):

@@ -32,6 +32,7 @@ from shard_engine.torch_private import dtensor_from_local_no_grad, is_gathered
 from shard_engine.units import (
     ShardCondition,
     default_shard_conditions,
+    encoder_module_names,
     find_ignored_param_names,
     select_units,
 )
@@ -86,6 +87,9 @@ def prepare_hsdp_shard_context(
     The context is reused to shard completed child modules while checkpoint weights are still
     streaming, then to shard the root once all children have been loaded.
     """
+    if hsdp_config.encoder == "replicate" and (encoders := encoder_module_names(model)):
+        declared = list(getattr(model, "_hsdp_ignored_modules", None) or ())
+        model._hsdp_ignored_modules = declared + [name for name in encoders if name not in declared]
     if getattr(model, "_hsdp_ignored_modules", None) and target_device is None:
         raise ValueError(
             "model declares _hsdp_ignored_modules: pass target_device so that they can be placed "
@@ -96,7 +100,8 @@ def prepare_hsdp_shard_context(
     if hsdp_config.cpu_offload and device.type == "cpu":
         logger.warning("cpu_offload ignored: the model already computes on the CPU")
     offload = CPUOffloadPolicy() if hsdp_config.cpu_offload and device.type != "cpu" else OffloadPolicy()
-    conditions = list(getattr(model, "_hsdp_shard_conditions", None) or default_shard_conditions(model))
+    conditions = list(getattr(model, "_hsdp_shard_conditions", None)
+                      or default_shard_conditions(model, hsdp_config.encoder))
     # Inference only: no autograd state on the sharded or gathered parameters.
     model.requires_grad_(False)
     return HSDPShardContext(
@@ -148,6 +153,7 @@ def _fully_shard(
     ignored: set[nn.Parameter],
     device: torch.device | None,
 ) -> None:
+    original = type(module)
     fully_shard(
         module,
         mesh=mesh,
@@ -156,8 +162,23 @@ def _fully_shard(
         offload_policy=offload_policy,
         ignored_params=ignored or None,
     )
+    _keep_output_capture(module, original)
     if device is not None:
         _place_ignored(ignored, device)
+
+
+def _keep_output_capture(module: nn.Module, original: type) -> None:
+    """``fully_shard`` swaps a unit's class for ``FSDP<Class>``; transformers looks up which outputs a
+    model records (hidden states: what Llava's ``get_image_features`` selects from its vision tower)
+    by the class's name, so a sharded submodel would record none. Register the swapped class as its
+    original."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # transformers without output capturing: nothing is looked up by class
+        return
+    flags = dict.get(_CAN_RECORD_REGISTRY, str(original))  # keyed by str(class), as the registry's own get
+    if flags and type(module) is not original:
+        _CAN_RECORD_REGISTRY[module] = flags
 
 
 def _shard_in_context(module: nn.Module, context: HSDPShardContext, ignored: set[nn.Parameter]) -> None:

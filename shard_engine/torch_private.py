@@ -55,7 +55,8 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
         "_create_tcp_store_server",),
     "torch.distributed.fsdp.FSDPModule": ("_get_fsdp_state", "_set_unshard_async_op"),
     # the objects of a gathered FSDP2 unit: attributes read or written (set at init or lazily)
-    "FSDPState": ("_fsdp_param_group", "_pre_forward_hook_handle", "_post_forward_hook_handle", "_mp_policy"),
+    "FSDPState": ("_fsdp_param_group", "_pre_forward_hook_handle", "_post_forward_hook_handle", "_mp_policy",
+                  "_lazy_init"),
     "FSDPParamGroup": ("_reshard_after_forward", "fsdp_params", "is_unsharded", "lazy_init", "device"),
     "FSDPParam": ("_sharded_param_data", "_sharded_local_tensor", "_unsharded_param", "_orig_size",
                   "_contiguous_orig_stride", "_module_info", "all_gather_outputs", "sharded_param",
@@ -112,6 +113,13 @@ def finish_lazy_init(unit: FSDPModule) -> None:
     """Run FSDP2's lazy init of the unit's group now (idempotent): it adopts replaced sharded
     parameters and settles the mixed-precision dtypes."""
     param_group(unit).lazy_init()
+
+
+def init_root(root: FSDPModule) -> None:
+    """Settle ``root`` as the FSDP2 root now (idempotent, collective-free), as its first forward would:
+    a unit inside it may then be called on its own first (an image encoder before the decoder) without
+    becoming a root of its own, which would make the root's first forward fail."""
+    root._get_fsdp_state()._lazy_init()
 
 
 def forward_hooks(unit: FSDPModule) -> tuple[dict, int, dict, int]:

@@ -51,8 +51,32 @@ def _shares_parameters(a: nn.Module, b: nn.Module) -> bool:
     return any(id(p) in ids for p in b.parameters())
 
 
-def default_shard_conditions(model: nn.Module) -> list[ShardCondition]:
-    """Decoder layers, plus the input and output embeddings when they are untied.
+ENCODER_ATTRIBUTES = ("vision_tower", "visual", "vision_model", "multi_modal_projector", "connector",
+                      "mm_projector")
+"""Where transformers' image-text-to-text models keep their vision encoder and its projector (on the
+model or on its ``model``): Llava's ``vision_tower`` and ``multi_modal_projector``, Qwen2-VL's
+``visual``, Idefics3's ``vision_model`` and ``connector``."""
+
+ENCODER_MODES = ("shard", "replicate")
+
+
+def encoder_module_names(model: nn.Module) -> list[str]:
+    """Qualified names of ``model``'s image encoder and projector modules (empty for a text model)."""
+    names = []
+    for prefix, holder in (("", model), ("model.", getattr(model, "model", None))):
+        if not isinstance(holder, nn.Module):
+            continue
+        for attribute in ENCODER_ATTRIBUTES:
+            if isinstance(getattr(holder, attribute, None), nn.Module):
+                names.append(prefix + attribute)
+    return names
+
+
+def default_shard_conditions(model: nn.Module, encoder: str = "shard") -> list[ShardCondition]:
+    """Decoder layers, plus the input and output embeddings when they are untied; an image-text
+    model's vision encoder and projector (:func:`encoder_module_names`) as units of their own, their
+    blocks each a unit (``encoder="shard"``), or none of them (``"replicate"``: they are
+    ``_hsdp_ignored_modules``, whole on every rank).
 
     Tied embeddings (``tie_word_embeddings``) share one parameter, which FSDP2 allows in one
     group only: they stay with the root. Untied ones get groups of their own so that their
@@ -77,6 +101,14 @@ def default_shard_conditions(model: nn.Module) -> list[ShardCondition]:
         if any(module is e for e in embeddings) and not name.startswith(layer_prefixes)
     }
     selected = names | embedding_names
+    encoders = encoder_module_names(model)
+    if encoder == "shard":
+        selected |= set(encoders)  # their own parameters (a tower's norms, the projector) gathered on their call
+    elif encoder == "replicate":
+        inside = tuple(f"{name}." for name in encoders)
+        selected = {name for name in selected if not name.startswith(inside)}
+    else:
+        raise ValueError(f"encoder must be one of {ENCODER_MODES}, got {encoder!r}")
     return [lambda name, module, selected=frozenset(selected): name in selected]
 
 
@@ -155,3 +187,17 @@ def unit_gathered_bytes(unit: FSDPModule) -> tuple[int, int]:
         gathered += gathered_numel(fsdp_param) * itemsize
         local += local_numel(fsdp_param) * itemsize
     return gathered, local
+
+
+def is_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP unit (its parameters gathered on its call)."""
+    return isinstance(module, FSDPModule)
+
+
+def settle_root(model: nn.Module) -> None:
+    """Make ``model`` the FSDP root now (where it is sharded), so that a unit inside it may be called
+    before the root's first forward (``shard_engine.torch_private.init_root``)."""
+    if isinstance(model, FSDPModule):
+        from shard_engine.torch_private import init_root
+
+        init_root(model)

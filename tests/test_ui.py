@@ -123,3 +123,36 @@ def test_the_page_asks_for_the_key_and_post_slash_stays_guarded(browser, model_d
         assert page.evaluate("sessionStorage.getItem('hsdp-api-key')") == KEY
         assert page.evaluate("localStorage.length") == 0
         page.close()
+
+
+def test_the_chat_takes_an_image_and_shows_it_beside_the_answer(browser, tmp_path):
+    from tests.vision_checkpoints import make_image, reference_vlm_generate, write_llava_checkpoint
+
+    path = write_llava_checkpoint(tmp_path / "llava")
+    picture = tmp_path / "picture.png"
+    make_image(11).save(picture)
+    from PIL import Image
+
+    want = reference_vlm_generate(path, [{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                                         "text": "What is it?"}]}],
+                                  [Image.open(picture).convert("RGB")], 8)
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(path).decode(want, skip_special_tokens=True)
+    with ServerProcess(path, log_path=tmp_path / "log") as server:
+        page = browser.new_page()
+        page.goto(server.url + "/")
+        page.wait_for_selector("#image-row:not([hidden])", timeout=20000)  # /info says it takes images
+        page.set_input_files("#image", str(picture))
+        page.wait_for_selector("#image-preview:not([hidden])", timeout=20000)
+        page.fill("#temperature", "0")
+        page.fill("#max-tokens", "8")
+        page.fill("#prompt", "What is it?")
+        page.click("#send")
+        page.wait_for_function("document.querySelector('#messages .stats') && "
+                               "document.querySelector('#messages .stats').textContent.includes('chunks')",
+                               timeout=60000)
+        assert page.eval_on_selector("#messages .user img", "img => img.src").startswith("data:image/png;base64,")
+        assert page.inner_text("#messages .assistant") == text
+        assert page.is_hidden("#image-preview")  # the next question starts without it
+        page.close()

@@ -148,14 +148,14 @@ class RequestStream:
     """One request, submitted on construction; its events carried from the engine thread into this loop."""
 
     def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams, stop: list[str],
-                 cache_salt: str | None = None):
+                 cache_salt: str | None = None, images: list | None = None):
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.state = state
         self.handle = RequestHandle(
             prompt_ids, choose_seed(params),
             deliver=lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event),
-            cache_root=cache_root(cache_salt),
+            cache_root=cache_root(cache_salt), images=list(images or ()),
         )
         self.output = OutputProcessor(state.tokenizer, stop, state.special_ids)
         self.num_tokens = 0  # tokens delivered (the engine may have made one or two more after a stop)
@@ -280,19 +280,23 @@ def cache_root(salt: str | None) -> bytes:
 
 
 def open_streams(state: ServerState, prompts: list[list[int]], params: SamplingParams, copies: int,
-                 stop: list[str], cache_salt: str | None = None) -> list[RequestStream]:
+                 stop: list[str], cache_salt: str | None = None, images: list | None = None) -> list[RequestStream]:
     """``copies`` streams per prompt (OpenAI's ``n``, TGI's ``best_of``), stream ``i * copies + j``;
     where seeded, copy j samples with seed + j, so that copies differ and each replays. All or none
-    are submitted (a 429 part way cancels those already in)."""
+    are submitted (a 429 part way cancels those already in). ``images``: the one prompt's
+    (``server.api.media.ImagePrompts.prompt``); a prompt without images may hold no image token."""
     from dataclasses import replace
 
     check_sendable(params)
+    if state.images is not None and not images:
+        for ids in prompts:
+            state.images.check_text_only(ids, "inputs")
     streams: list[RequestStream] = []
     try:
         for ids in prompts:
             for j in range(copies):
                 seeded = params if j == 0 or params.seed is None else replace(params, seed=params.seed + j)
-                streams.append(RequestStream(state, ids, seeded, stop, cache_salt))
+                streams.append(RequestStream(state, ids, seeded, stop, cache_salt, images))
     except BaseException:
         for stream in streams:
             state.scheduler.cancel(stream.handle)

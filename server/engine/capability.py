@@ -68,6 +68,13 @@ def check_servable(config, model_class=None) -> None:
             "attention; recurrent, convolution and chunked layers are not kept per sequence)")
     if model_class is None:
         model_class = _causal_lm_class(config, architecture)
+    from server.engine.multimodal import SERVED_IMAGE_TEXT_MODEL_TYPES
+
+    if _image_text_only(config) and config.model_type not in SERVED_IMAGE_TEXT_MODEL_TYPES:
+        raise UnsupportedModelError(
+            architecture, "its images are not computed by the engine: the image-text families served are "
+            f"{', '.join(sorted(SERVED_IMAGE_TEXT_MODEL_TYPES))} (a 3-D rope, bidirectional attention over an "
+            "image or tiles of several sizes are not yet)")
     if getattr(text, "kv_lora_rank", None):
         from server.engine.mla import has_mla_modules
 
@@ -108,13 +115,24 @@ def _architecture(config) -> str:
         return type(config).__name__.removesuffix("Config")
 
 
-def _causal_lm_class(config, architecture: str):
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+def _image_text_only(config) -> bool:
+    """Whether transformers builds ``config``'s model as image-text-to-text only (no causal-LM class)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, \
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except KeyError:
-        pass
+    return type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+
+def _causal_lm_class(config, architecture: str):
+    """The class the loader builds for ``config`` (``loaders.skeleton.auto_model_class``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, \
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING):
+        try:
+            return mapping[type(config)]
+        except KeyError:
+            pass
     if getattr(config, "auto_map", None):
         raise UnsupportedModelError(architecture, "it needs remote code (auto_map), which the server does not run")
     raise UnsupportedModelError(architecture, f"AutoModelForCausalLM has no class for {type(config).__name__}")

@@ -1,6 +1,7 @@
 """What goes over the control channel each step: rank 0's plan out, every rank's tokens back.
 
-Plain dataclasses of token ids and block ids: no text, no tensors. Rank 0 owns every decision
+Plain dataclasses of token ids and block ids: no text, and no tensors but an image's pixels as
+bytes (:class:`ImageInput`). Rank 0 owns every decision
 (which sequence runs where, which KV blocks it uses, how many of its tokens are computed this
 step); a rank keeps a mirror of its own sequences' tokens and block tables and computes what
 the plan says.
@@ -14,6 +15,19 @@ from server.engine.sampling import SamplingParams
 
 
 @dataclass
+class ImageInput:
+    """One image of a prompt (``server.engine.multimodal``): the processor's pixel values for it
+    (float32, C order, of ``shape``), where its ``count`` placeholder tokens start in the prompt, and
+    its content's key (BLAKE2b of the pixels: the prefix cache's key for its tokens)."""
+
+    key: bytes
+    start: int
+    count: int
+    shape: list[int]
+    pixels: bytes
+
+
+@dataclass
 class SequenceAdd:
     """A sequence placed on a rank. ``tokens`` are its prompt, plus what it had generated when it
     comes back after a preemption; ``blocks`` its first KV blocks (a cached prefix among them)."""
@@ -24,6 +38,7 @@ class SequenceAdd:
     params: SamplingParams
     blocks: list[int]
     num_generated: int = 0
+    images: list[ImageInput] = field(default_factory=list)  # those with tokens beyond its cached prefix
 
 
 @dataclass
@@ -97,6 +112,7 @@ class StepPlan:
     threads: int = 0  # intra-op threads a rank with work uses this step (server.engine.cores); 0: its own
     share: PeerShare | None = None  # a peer group asked for the weights (server.peer)
     update: WeightUpdate | None = None  # new weights now (server.weights)
+    encode: bool = False  # a sequence added brings images: every rank runs the image encoder (its units gather)
 
 
 @dataclass

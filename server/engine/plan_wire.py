@@ -16,6 +16,7 @@ import types
 import typing
 
 from server.engine.plan import (
+    ImageInput,
     PeerShare,
     PromptLogprobs,
     SequenceAdd,
@@ -30,7 +31,7 @@ from server.engine.plan import (
 from server.engine.sampling import SamplingParams
 from shard_engine.wire import WireError
 
-RECORDS = (SamplingParams, SequenceAdd, Work, PeerShare, TrainerTransfer, WeightUpdate, UpdateReport, StepPlan,
+RECORDS = (SamplingParams, ImageInput, SequenceAdd, Work, PeerShare, TrainerTransfer, WeightUpdate, UpdateReport, StepPlan,
            TokenResult, PromptLogprobs, StepResult)
 """The only classes that cross the control channel."""
 

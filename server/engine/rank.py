@@ -28,6 +28,7 @@ from server.engine.capability import ATTENTION_LAYER_TYPES
 from server.engine.state import HYBRID_LAYER_TYPES, StatePool, StateShapes, install as install_state, \
     is_stateful_config, state_shapes
 from server.engine.mla import install as install_mla, is_mla, latent_geometry
+from server.engine.multimodal import ImageEncoder, encoder_outputs, takes_images
 from server.engine.rope import install as install_rope, sequence_lengths, token_lengths
 from server.engine.sampling import BatchSampler, Row, RowMasks
 
@@ -135,7 +136,7 @@ def _available_memory() -> int:
 
 
 class _Sequence:
-    __slots__ = ("seq_id", "tokens", "blocks", "params", "num_generated")
+    __slots__ = ("seq_id", "tokens", "blocks", "params", "num_generated", "images")
 
     def __init__(self, add: SequenceAdd):
         self.seq_id = add.seq_id
@@ -143,6 +144,19 @@ class _Sequence:
         self.blocks = list(add.blocks)
         self.params = add.params
         self.num_generated = add.num_generated
+        self.images = [[image, None] for image in add.images]  # [ImageInput, its embeddings once encoded]
+
+    def image_rows(self, start: int, count: int) -> list[torch.Tensor]:
+        """The embeddings of the image tokens among positions ``start`` .. ``start + count - 1``, in
+        order; an image whose last token is among them is let go."""
+        rows, end = [], start + count
+        for entry in self.images:
+            image, features = entry
+            first, last = max(start, image.start), min(end, image.start + image.count)
+            if first < last:
+                rows.append(features[first - image.start:last - image.start])
+        self.images = [entry for entry in self.images if entry[0].start + entry[0].count > end]
+        return rows
 
 
 class RankEngine:
@@ -184,6 +198,7 @@ class RankEngine:
         self.compiled = None  # a server.engine.compiled.CompiledDecode: decode-only forwards go through it
         self._direct = _direct_forward(model)  # eager forwards without FSDP2's hooks, where every unit is resident
         self._rope = install_rope(model)  # rope frequencies per sequence (dynamic NTK, longrope), or None
+        self.images = ImageEncoder(model, device) if takes_images(model) else None  # server.engine.multimodal
         self.memory = None  # a server.group.memory.MemoryReport, reported every few seconds
         self._reported_at = 0.0
         self._trimmed_at, self._forwards_at_trim = 0.0, 0
@@ -203,6 +218,8 @@ class RankEngine:
                 self.sequences_started += 1
                 if add.params.grammar is not None:
                     self._start_grammar(self.sequences[add.seq_id])
+        if plan.encode and self.images is not None:
+            self._encode([self.sequences[add.seq_id] for add in plan.add if add.rank == self.rank and add.images])
         tokens: list[TokenResult] = []
         self._prompt_logprobs: list[PromptLogprobs] = []
         if plan.forward:
@@ -228,6 +245,12 @@ class RankEngine:
             result.memory = self.memory.snapshot()
         return result
 
+    def _encode(self, sequences: list[_Sequence]) -> None:
+        """The new sequences' images through the image encoder, in one call (every rank calls it)."""
+        entries = [entry for seq in sequences for entry in seq.images]
+        for entry, features in zip(entries, self.images.encode([image for image, _ in entries])):
+            entry[1] = features
+
     @torch.no_grad()
     def _idle_forward(self) -> list[TokenResult]:
         # Matches the other ranks' all-gathers; the result is discarded.
@@ -239,8 +262,11 @@ class RankEngine:
     def _forward(self, work: list[Work], threads: int = 0) -> list[TokenResult]:
         ids, positions, items, sample_rows, sampling, rope_items = [], [], [], [], [], []
         scored = []  # (seq, first row, first position, count): prompt positions whose next token is scored
+        image_rows = []  # the embeddings of the image tokens among them, in order (server.engine.multimodal)
         for w in work:
             seq = self.sequences[w.seq_id]
+            if seq.images:
+                image_rows += seq.image_rows(w.start, w.count)
             seq.blocks += w.new_blocks
             assert w.start + w.count <= len(seq.tokens), (w, len(seq.tokens))
             if seq.params.prompt_logprobs is not None:
@@ -260,7 +286,8 @@ class RankEngine:
         keep = sample_rows + [row + i for _, row, _, count in scored for i in range(count)]
         decode_only = not scored and all(count == 1 for _, count, _ in items)
         forward = self.model
-        if self.compiled is not None and (
+        extra = {"mm_encoder_outputs": encoder_outputs(image_rows)} if image_rows else {}
+        if self.compiled is not None and not extra and (
                 self.compiled.pad(ids, positions, items, keep, self.cache.scratch_block) if decode_only
                 else self.compiled.takes_whole_step(len(ids))):
             # the layers' graphs at the plan's threads; the model's graph at the count it was compiled at,
@@ -292,6 +319,7 @@ class RankEngine:
                 use_cache=True,
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
                 hsdp_paged=layout,
+                **extra,
             )
         self.cache.layout = None
         self.tokens_computed += computed

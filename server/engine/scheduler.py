@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from server.engine.blocks import BlockPool, chain_hashes
+from server.engine.multimodal import image_keyed_tokens
 from server.engine.plan import SequenceAdd, StepPlan, StepResult, Work
 from server.engine.sampling import SamplingParams
 
@@ -87,10 +88,19 @@ class RequestHandle:
     first_token_at: float | None = None
     last_token_at: float | None = None
 
+    images: list = field(default_factory=list)  # the prompt's ImageInputs (server.engine.multimodal), in order
+
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
+        self._keyed_prompt = image_keyed_tokens(self.prompt_ids, self.images) if self.images else None
         if self.params.prompt_logprobs is not None:
             self.prompt_scores = [None] * (len(self.prompt_ids) - 1)
+
+    def keyed(self, start: int, end: int) -> list[int]:
+        """Its tokens ``start:end`` as the prefix cache keys them: an image's placeholders by the image."""
+        if self._keyed_prompt is None:
+            return self.tokens[start:end]
+        return (self._keyed_prompt + self.tokens[len(self.prompt_ids):])[start:end]
 
     @property
     def generated(self) -> list[int]:
@@ -453,7 +463,7 @@ class Scheduler:
             if handle.params.prompt_logprobs is not None:
                 usable = 0  # every prompt position is computed, to be scored
             root = self.prefix_root(handle)
-            keys = chain_hashes(tokens[: usable * self.block_size], self.block_size, root)
+            keys = chain_hashes(handle.keyed(0, usable * self.block_size), self.block_size, root)
             placed = self._place(len(tokens), keys, budget)
             if placed is None:
                 if not self.fits_ever(len(tokens)):  # admission checks make this rare: a long preempted sequence
@@ -483,8 +493,10 @@ class Scheduler:
                     self.metrics.queue_time.observe(handle.started_at - handle.submitted_at)
                     self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
             self._running[handle.seq_id] = handle
+            images = [image for image in handle.images if image.start + image.count > handle.num_computed]
             plan.add.append(SequenceAdd(handle.seq_id, rank, list(tokens), handle.params, list(handle.blocks),
-                                        handle.num_generated))
+                                        handle.num_generated, images))
+            plan.encode = plan.encode or bool(images)
             self._plan_chunk(handle, plan, budget)
 
     def _place(self, num_tokens: int, keys: list[bytes], budget: list[int]) -> tuple[int, list[int]] | None:
@@ -549,7 +561,7 @@ class Scheduler:
         full = min(handle.num_computed // self.block_size, len(handle.blocks))
         if full <= handle.num_registered:
             return
-        keys = chain_hashes(handle.tokens[handle.num_registered * self.block_size: full * self.block_size],
+        keys = chain_hashes(handle.keyed(handle.num_registered * self.block_size, full * self.block_size),
                             self.block_size, handle.last_key)
         pool = self.pools[handle.rank]
         for i, key in enumerate(keys, start=handle.num_registered):

@@ -91,6 +91,7 @@ def build_app(state: ServerState, cfg=None) -> FastAPI:
             "weights": dict(state.weights or {}, sharing=state.weight_sharing.describe()
                             if state.weight_sharing is not None else {"enabled": False},
                             served=state.weights_admin.describe() if state.weights_admin is not None else None),
+            "images": state.media.describe() if state.images is not None else None,  # an image-text model's limits
         }
         scheduler = state.scheduler
         if scheduler is not None:

@@ -31,6 +31,15 @@ class InputValidationError(APIError):
     openai_type = "invalid_request_error"
 
 
+class MediaError(APIError):
+    """A request's image breaks a declared limit or cannot be read: 400, ``param`` naming the option."""
+
+    status_code = 400
+    error_type = "validation"
+    openai_type = "invalid_request_error"
+    openai_code = "invalid_image"
+
+
 class AuthenticationError(APIError):
     status_code = 401
     error_type = "authentication"

@@ -54,6 +54,8 @@ class ServerState:
     sampling_defaults: dict = field(default_factory=dict)  # generation_config.json's, for OpenAI requests
     special_ids: frozenset = frozenset()  # the tokenizer's special tokens (TGI's `special`)
     chat: object | None = None  # server.api.openai.chat.ChatRenderer: chat template and tool-call format
+    images: object | None = None  # server.api.media.ImagePrompts: an image-text model's processor, else None
+    media: object | None = None  # server.api.media.MediaPolicy: where images may come from, how large
     liveness_timeout_s: float = 60.0  # --liveness-timeout: /health fails past it (stalled_for)
     weight_sharing: object | None = None  # server.peer.WeightSharing with --share-weights
     weights_admin: object | None = None  # server.weights.WeightsAdmin: the served version, POST /admin/weights

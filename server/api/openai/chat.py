@@ -47,21 +47,32 @@ def read_chat_template(value: str | None) -> str | None:
 class ChatRenderer:
     """A chat request's messages (and tools) as the prompt's token ids."""
 
-    def __init__(self, tokenizer, template: str | None = None, tool_format: str = "hermes"):
+    def __init__(self, tokenizer, template: str | None = None, tool_format: str = "hermes", images=None):
         self.tokenizer = tokenizer
-        self.template = template or getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
+        self.images = images  # server.api.media.ImagePrompts of an image-text model, else None
+        self.template = (template or getattr(tokenizer, "chat_template", None)
+                         or (images.chat_template if images is not None else None) or FALLBACK_CHAT_TEMPLATE)
         if isinstance(self.template, dict):  # a tokenizer with named templates: the default one
             self.template = self.template.get("default") or next(iter(self.template.values()))
         self.format: ToolCallFormat = FORMATS[tool_format]
         self.native_tools = re.search(r"\btools\b", self.template) is not None
 
     def prompt_ids(self, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
+        text, urls = self.render(req, add_generation_prompt)
+        if urls:
+            raise InputValidationError("this model takes no images (image_url content parts)", param="messages")
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def render(self, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> tuple[str, list[str]]:
+        """The prompt's text, an image's placeholder where each image part was, and the images' URLs
+        in order (``image_url`` parts, an image-text model's only)."""
         tools = [t.model_dump(exclude_none=True) for t in req.offered_tools()]
+        urls: list[str] = []
         try:
             if self.native_tools:
-                messages = [self._native(m) for m in req.messages]
+                messages = [self._native(m, urls) for m in req.messages]
             else:
-                messages = self._as_text(req.messages, tools)
+                messages = self._as_text(req.messages, tools, urls)
                 tools = []
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
@@ -72,12 +83,22 @@ class ChatRenderer:
         except Exception as e:  # noqa: BLE001 - jinja's errors: the template cannot render these messages
             raise InputValidationError(f"the chat template cannot render these messages: {e}",
                                        param="messages") from e
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return text, urls
 
-    @staticmethod
-    def _native(m: ChatMessage) -> dict:
+    def _content(self, m: ChatMessage, urls: list[str]):
+        """A message's content as the template takes it: its text, or with images (an image-text
+        model's) its parts, each image part ``{"type": "image"}`` and its URL added to ``urls``."""
+        parts = m.image_parts()
+        if parts is None:
+            return m.text()
+        if self.images is None:
+            raise ValueError("this model takes no images (image_url content parts)")
+        urls += [part["url"] for part in parts if part["type"] == "image"]
+        return [{"type": "image"} if part["type"] == "image" else part for part in parts]
+
+    def _native(self, m: ChatMessage, urls: list[str]) -> dict:
         """A message as Hugging Face templates take it: calls' arguments as objects."""
-        out: dict = {"role": m.role, "content": m.text()}
+        out: dict = {"role": m.role, "content": self._content(m, urls)}
         if m.name is not None:
             out["name"] = m.name
         if m.tool_call_id is not None:
@@ -90,7 +111,7 @@ class ChatRenderer:
             ]
         return out
 
-    def _as_text(self, messages: list[ChatMessage], tools: list[dict]) -> list[dict]:
+    def _as_text(self, messages: list[ChatMessage], tools: list[dict], urls: list[str]) -> list[dict]:
         """Messages for a template that knows no tools: everything about tools written as text."""
         out: list[dict] = []
         for m in messages:
@@ -101,7 +122,9 @@ class ChatRenderer:
                 else:
                     out.append({"role": "user", "content": text, "_tool_answers": True})
                 continue
-            content = m.text()
+            content = self._content(m, urls)
+            if m.tool_calls and isinstance(content, list):
+                raise ValueError("an assistant message with tool calls cannot carry images")
             if m.tool_calls:
                 calls = "\n".join(self.format.call_text(c.function.name, c.function.arguments)
                                   for c in m.tool_calls)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from server.api.generation import RequestStream, check_admission, check_request_bounds, checked_grammar, \
     off_loop, open_streams
+from server.api.media import read_images
 from server.api.openai.protocol import ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, \
     ChatCompletionResponse, ChatLogprobs, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, \
     ResponseMessage, TokenLogprob, ToolCall, TopLogprob
@@ -58,7 +59,13 @@ class ChatCompletionServing:
         top = (req.top_logprobs or 0) if req.logprobs else 0
         check_request_bounds(state, sequences=req.n, sequences_param="n", stops=req.stop_list, top_logprobs=top,
                              top_param="top_logprobs")
-        prompt_ids = await off_loop(renderer.prompt_ids, req)  # a template over long messages: milliseconds
+        images = None
+        if renderer.images is None:
+            prompt_ids = await off_loop(renderer.prompt_ids, req)  # a template over long messages: milliseconds
+        else:  # an image-text model: the images read, then the processor expands their placeholders
+            text, urls = await off_loop(renderer.render, req)
+            pictures = await read_images(urls, state.media)
+            prompt_ids, images = await off_loop(renderer.images.prompt, text, pictures)
         max_new = check_admission(state, prompt_ids, req.max_completion_tokens or req.max_tokens)
         kind, tool_grammar = req.tool_choice_kind, None
         if kind in ("required", "named"):
@@ -66,7 +73,7 @@ class ChatCompletionServing:
                                                several=kind == "required" and req.parallel_tool_calls)
         params = await sampling_params(state, req, max_new, top, tool_grammar)
         return cls(state, req, renderer, open_streams(state, [prompt_ids], params, req.n, req.stop_list,
-                                                      req.cache_salt))
+                                                      req.cache_salt, images))
 
     def _finish(self, out: TokenOutput, called: bool) -> str:
         reason = finish_reason(out)

@@ -162,7 +162,7 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = Field(default=None, description="a tool message: the call it answers")
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: only text parts are served
+        if isinstance(self.content, list):  # content parts: text only here (image_parts: with images)
             parts = []
             for part in self.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -170,6 +170,25 @@ class ChatMessage(BaseModel):
                 parts.append(part["text"])
             return "".join(parts)
         return self.content or ""
+
+    def image_parts(self) -> list[dict] | None:
+        """Content parts with images: ``{"type": "text", "text"}`` and ``{"type": "image", "url"}``
+        (an ``image_url`` part's URL), in order; None where the content has no image."""
+        if not isinstance(self.content, list) or not any(p.get("type") == "image_url" for p in self.content):
+            return None
+        parts = []
+        for part in self.content:
+            if part.get("type") == "image_url":
+                image = part.get("image_url")
+                url = image.get("url") if isinstance(image, dict) else image
+                if not isinstance(url, str) or not url:
+                    raise ValueError("an image_url content part needs image_url.url")
+                parts.append({"type": "image", "url": url})
+            elif part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            else:
+                raise ValueError("content parts must be text or image_url")
+        return parts
 
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"

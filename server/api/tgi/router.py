@@ -17,7 +17,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.api.generation import RequestStream, check_admission, check_request_bounds, collect_all, compile_grammar, \
-    open_streams, require_ready, tokenize
+    off_loop, open_streams, require_ready, tokenize
+from server.api.media import IMAGE_MARKDOWN, read_images
 from server.api.outputs import Alternative, OutputProcessor, TokenOutput
 from server.http.errors import GenerationError, InputValidationError
 from server.http.responses import FiniteJSONResponse, sse, sse_error
@@ -62,7 +63,16 @@ async def _start(state: ServerState, body: GenerateRequest) -> tuple[list[Reques
     require_ready(state)
     check_request_bounds(state, sequences=best_of, sequences_param="best_of", stops=p.stop,
                          top_logprobs=p.top_n_tokens or 0, top_param="top_n_tokens")
-    prompt_ids = await tokenize(state, body.inputs)
+    images = None
+    if state.images is not None and IMAGE_MARKDOWN.search(body.inputs):  # TGI's ![](url): an image-text model's
+        if p.truncate is not None:
+            raise InputValidationError("truncate cannot cut a prompt with images", param="truncate")
+        urls = IMAGE_MARKDOWN.findall(body.inputs)
+        pictures = await read_images(urls, state.media)
+        text = IMAGE_MARKDOWN.sub(lambda _: state.images.image_token, body.inputs)
+        prompt_ids, images = await off_loop(state.images.prompt, text, pictures, special_tokens=True)
+    else:
+        prompt_ids = await tokenize(state, body.inputs)
     if p.truncate is not None:
         prompt_ids = prompt_ids[-p.truncate:]  # TGI's truncate: the input's last tokens
     check_admission(state, prompt_ids, p.max_new_tokens)
@@ -77,7 +87,8 @@ async def _start(state: ServerState, body: GenerateRequest) -> tuple[list[Reques
         frequency_penalty=p.frequency_penalty or None, seed=p.seed, top_logprobs=p.top_n_tokens or 0,
         grammar=grammar, prompt_logprobs=0 if p.decoder_input_details else None,
     )
-    return open_streams(state, [prompt_ids], params, best_of, p.stop), prompt_ids, time.monotonic() - start
+    return open_streams(state, [prompt_ids], params, best_of, p.stop, images=images), prompt_ids, \
+        time.monotonic() - start
 
 
 def _prefill(output: OutputProcessor, prompt_ids: list[int], first: TokenOutput) -> list[InputToken]:

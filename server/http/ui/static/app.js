@@ -103,6 +103,7 @@ async function refreshInfo() {
   }
   $("group").hidden = false;
   $("model").textContent = `${info.model_id} (${info.model_dtype})`;
+  $("image-row").hidden = !info.images;  // an image-text model: its chat takes an image
   $("mesh").textContent = `mesh ${info.mesh_shape.replicate} x ${info.mesh_shape.shard} (replicate x shard), ` +
     `${info.world_size} ranks; max ${info.max_total_tokens} tokens a sequence, ${info.max_concurrent_requests} at once`;
   const rows = (info.ranks || []).map((r) => {
@@ -220,13 +221,42 @@ function draw(id, lines) {
 // -- chat ---------------------------------------------------------------------------------------
 const history = [];
 
-function addMessage(role, text) {
+let image = null;  // the data: URL of the image the next question shows, if any
+
+function addMessage(role, text, picture) {
   const div = document.createElement("div");
   div.className = "msg " + role;
-  div.textContent = text;
+  if (picture) {
+    const img = document.createElement("img");
+    img.src = picture;
+    div.appendChild(img);
+  }
+  div.appendChild(document.createTextNode(text));
   $("messages").appendChild(div);
   return div;
 }
+
+function setImage(url) {
+  image = url;
+  $("image-preview").hidden = $("image-clear").hidden = !url;
+  $("image-preview").src = url || "";
+  if (!url) $("image").value = "";
+}
+
+function readImage(file) {
+  if (!file || !file.type.startsWith("image/")) return;
+  const reader = new FileReader();
+  reader.onload = () => setImage(reader.result);
+  reader.readAsDataURL(file);
+}
+
+$("image").addEventListener("change", () => readImage($("image").files[0]));
+$("image-clear").addEventListener("click", () => setImage(null));
+$("prompt").addEventListener("paste", (e) => {
+  if ($("image-row").hidden) return;
+  const item = [...(e.clipboardData ? e.clipboardData.items : [])].find((i) => i.type.startsWith("image/"));
+  if (item) { e.preventDefault(); readImage(item.getAsFile()); }
+});
 
 $("clear").addEventListener("click", () => { history.length = 0; $("messages").innerHTML = ""; });
 
@@ -235,8 +265,11 @@ $("chat-form").addEventListener("submit", async (e) => {
   const prompt = $("prompt").value.trim();
   if (!prompt || !model) return;
   $("prompt").value = "";
-  history.push({ role: "user", content: prompt });
-  addMessage("user", prompt);
+  const picture = image;
+  setImage(null);
+  history.push({ role: "user", content: picture
+    ? [{ type: "image_url", image_url: { url: picture } }, { type: "text", text: prompt }] : prompt });
+  addMessage("user", prompt, picture);
   const answer = addMessage("assistant", "");
   const stats = document.createElement("div");
   stats.className = "stats";

@@ -1,0 +1,174 @@
+"""Benchmark a request with one 448x448 image: the vision tower sharded against replicated, and
+transformers' ``generate``, side by side in one run; and a repeated image's time to first token.
+
+    python -m benchmarks.vision [--nproc 2] [--repeats 3] [--tokens 16] [--out FILE]
+
+The model: a random-weight LLaVA (a CLIP ViT-B/14 tower at 448x448: 12 layers of 768, 1024 image
+tokens; a projector; a Llama of 8 layers of 1024), float32, written once under
+``~/.cache/hsdp-serve/bench-llava``. For each ``--mm-encoder`` mode a server of ``--nproc`` CPU
+ranks (``--resident-units 0``: each rank holds only its shards, as a model too large for one
+device would be served): per request with a new image, the time to first token and the whole
+request; then the same image again (its blocks in the prefix cache: issue 30's target is a time
+to first token <= 0.4x the first's); each rank's checkpoint bytes read and shard bytes held
+(``/info``). transformers' unsharded model (``generate`` with the processor's inputs, the same
+image and tokens, all cores) is the reference. Every figure is printed with its dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+TARGET_REPEAT = 0.4
+CACHE = os.path.expanduser("~/.cache/hsdp-serve/bench-llava")
+QUESTION = "Describe this picture in detail."
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def write_model(path: str) -> str:
+    """The benchmark's LLaVA (random weights, the test tokenizer and processor), once."""
+    import torch
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, \
+        LlavaForConditionalGeneration, LlavaProcessor
+
+    from tests.vision_checkpoints import CHAT_TEMPLATE, IMAGE_TOKEN, vlm_tokenizer
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    tok = vlm_tokenizer()
+    image_token_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                       num_attention_heads=12, image_size=448, patch_size=14),
+        text_config=LlamaConfig(vocab_size=len(tok), hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                                num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
+                                tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0),
+        image_token_id=image_token_id, image_seq_length=1024, projector_hidden_act="gelu",
+        vision_feature_layer=-2, vision_feature_select_strategy="default",
+    )
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 448}, crop_size={"height": 448, "width": 448}),
+        tokenizer=tok, patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE)
+    tmp = path + ".tmp"
+    model.save_pretrained(tmp, max_shard_size="200MB")
+    processor.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def _stream(client, body: dict) -> tuple[float, float, str]:
+    """(time to first token, whole request, text) of one streamed chat request."""
+    start, first, text = time.perf_counter(), None, []
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            delta = json.loads(line[5:])["choices"][0]["delta"].get("content")
+            if delta:
+                first = first or time.perf_counter()
+                text.append(delta)
+    return first - start, time.perf_counter() - start, "".join(text)
+
+
+def serve(model: str, mode: str, nproc: int, images: list, tokens: int, tmp: str) -> dict:
+    from tests.server_process import ServerProcess
+    from tests.vision_checkpoints import image_data_url
+
+    args = ("--kv-cache-memory", "256MiB", "--resident-units", "0", "--mm-encoder", mode,
+            "--max-body-bytes", "16MiB")
+    with ServerProcess(model, nproc=nproc, extra_args=args, log_path=os.path.join(tmp, f"{mode}.log")) as s:
+        def body(image):
+            return {"max_tokens": tokens, "temperature": 0, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": image_data_url(image)}},
+                {"type": "text", "text": QUESTION}]}]}
+
+        _stream(s.client, body(images[-1]))  # warm-up: first-call costs out of the figures
+        new, again = [], []
+        for image in images[:-1]:
+            new.append(_stream(s.client, body(image)))
+            again.append(_stream(s.client, body(image)))
+            log(f"{mode}: new image ttft {new[-1][0]:.3f} s, request {new[-1][1]:.3f} s; "
+                f"same image again ttft {again[-1][0]:.3f} s")
+        info = s.client.get("/info").json()
+    ranks = info["ranks"]
+    return {
+        "mode": mode, "dtype": info["model_dtype"],
+        "ttft_new_s": statistics.median(t for t, _, _ in new), "request_new_s": statistics.median(r for _, r, _ in new),
+        "ttft_repeat_s": statistics.median(t for t, _, _ in again),
+        "text": new[0][2],
+        "load_bytes_read": [r.get("load_bytes_read") for r in ranks],
+        "shard_bytes": [(r.get("memory") or {}).get("shards") for r in ranks],
+        "pss_bytes": [(r.get("memory") or {}).get("pss") for r in ranks],
+    }
+
+
+def reference(model: str, images: list, tokens: int) -> dict:
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model)
+    net = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    times, text = [], None
+    for image in images:
+        inputs = processor(text=prompt, images=[image], return_tensors="pt")
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = net.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                               pad_token_id=0)
+        times.append(time.perf_counter() - start)
+        text = text or processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    return {"request_s": statistics.median(times[1:] or times), "text": text, "threads": torch.get_num_threads()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tests.vision_checkpoints import make_image
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--out", help="also write the summary JSON here")
+    args = parser.parse_args(argv)
+    model = write_model(CACHE)
+    images = [make_image(100 + i, size=(448, 448)) for i in range(args.repeats + 1)]
+    ref = reference(model, images, args.tokens)
+    log(f"transformers generate: {ref['request_s']:.3f} s a request ({ref['threads']} threads)")
+    with tempfile.TemporaryDirectory(prefix="bench-vision-") as tmp:
+        modes = {mode: serve(model, mode, args.nproc, images, args.tokens, tmp) for mode in ("shard", "replicate")}
+    shard, replicate = modes["shard"], modes["replicate"]
+    summary = {
+        "dtype": shard["dtype"], "nproc": args.nproc, "tokens": args.tokens, "image": "448x448 (1024 tokens)",
+        "transformers": ref, "shard": shard, "replicate": replicate,
+        "request_shard_over_replicate": shard["request_new_s"] / replicate["request_new_s"],
+        "request_shard_over_transformers": shard["request_new_s"] / ref["request_s"],
+        "ttft_repeat_over_new": {m: v["ttft_repeat_s"] / v["ttft_new_s"] for m, v in modes.items()},
+        "target_repeat": TARGET_REPEAT,
+        "same_text": {m: v["text"] == ref["text"] for m, v in modes.items()},
+    }
+    for mode, v in modes.items():
+        log(f"{mode} ({v['dtype']}): new image ttft {v['ttft_new_s']:.3f} s, request {v['request_new_s']:.3f} s, "
+            f"repeat ttft {v['ttft_repeat_s']:.3f} s ({v['ttft_repeat_s'] / v['ttft_new_s']:.2f}x; target <= "
+            f"{TARGET_REPEAT}); bytes read {v['load_bytes_read']}, shards {v['shard_bytes']}, pss {v['pss_bytes']}")
+    print(json.dumps(summary, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

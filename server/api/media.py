@@ -1,0 +1,217 @@
+"""A request's images: read under the server's declared limits, then made the model's inputs by its
+processor.
+
+Where an image may come from: a ``data:`` URL (base64) always; a ``file://`` URL only inside
+``--allowed-local-media-path``; an ``http(s)://`` URL only with ``--allow-remote-media``, fetched
+by rank 0 within ``--media-timeout`` and never beyond ``--max-image-bytes``. Every image is at most
+``--max-image-bytes`` and ``--max-image-pixels`` (checked from its header, before it is decoded),
+and a request brings at most ``--max-images-per-request``. Each violation is a
+:class:`~server.http.errors.MediaError` (400) naming its option; the server keeps serving.
+
+:class:`ImagePrompts` holds the model's processor (``AutoProcessor``): a prompt's text, with the
+chat template's image placeholders, and its images become the prompt's token ids (each image's
+placeholder expanded to its tokens) and one :class:`~server.engine.plan.ImageInput` per image,
+which the engine encodes (``server.engine.multimodal``). A prompt whose placeholders do not match
+its images (a placeholder typed as text, an image without one) is a 400 too.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import re
+import urllib.parse
+from dataclasses import dataclass
+
+from server.http.errors import MediaError
+
+IMAGE_MARKDOWN = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+"""TGI's image syntax in ``inputs``: ``![](url)``."""
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """Where a request's images may come from and how large they may be (``ServeConfig``'s limits)."""
+
+    max_images: int
+    max_bytes: int
+    max_pixels: int
+    local_root: str | None
+    allow_remote: bool
+    timeout_s: float
+
+    @classmethod
+    def of(cls, cfg) -> MediaPolicy:
+        root = os.path.realpath(cfg.allowed_local_media_path) if cfg.allowed_local_media_path else None
+        return cls(cfg.max_images_per_request, cfg.max_image_bytes, cfg.max_image_pixels, root,
+                   cfg.allow_remote_media, cfg.media_timeout_s)
+
+    def describe(self) -> dict:
+        """What ``/info`` says of it (the page's image picker reads it)."""
+        return {"max_images_per_request": self.max_images, "max_image_bytes": self.max_bytes,
+                "max_image_pixels": self.max_pixels, "local_files": self.local_root is not None,
+                "remote_urls": self.allow_remote}
+
+    def check_count(self, count: int) -> None:
+        if count > self.max_images:
+            raise MediaError(f"the request brings {count} images; at most {self.max_images} "
+                             "(--max-images-per-request)", param="--max-images-per-request")
+
+
+async def read_images(urls: list[str], policy: MediaPolicy) -> list:
+    """The images at ``urls``, in order, as RGB ``PIL.Image``s (decoded off the event loop)."""
+    from server.api.generation import off_loop
+
+    policy.check_count(len(urls))
+    images = []
+    for url in urls:
+        data = await _remote(url, policy) if url.startswith(("http://", "https://")) else await off_loop(
+            _local_or_data, url, policy)
+        images.append(await off_loop(decode_image, data, policy))
+    return images
+
+
+def _local_or_data(url: str, policy: MediaPolicy) -> bytes:
+    if url.startswith("data:"):
+        return _data_url(url, policy)
+    if url.startswith("file:"):
+        return _local(url, policy)
+    scheme = url.split(":", 1)[0] if ":" in url else ""
+    raise MediaError(f"an image URL must be data:, file: or http(s):, got {scheme or url[:32]!r}", param="url")
+
+
+def _data_url(url: str, policy: MediaPolicy) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise MediaError("a data: image URL must be base64 (data:image/png;base64,...)", param="url")
+    if len(payload) * 3 // 4 > policy.max_bytes + 3:
+        raise MediaError(f"an image is larger than {policy.max_bytes} bytes (--max-image-bytes)",
+                         param="--max-image-bytes")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise MediaError(f"a data: image URL is not valid base64: {e}", param="url") from e
+    _check_bytes(len(data), policy)
+    return data
+
+
+def _local(url: str, policy: MediaPolicy) -> bytes:
+    if policy.local_root is None:
+        raise MediaError("file: image URLs are refused: the server was started without --allowed-local-media-path",
+                         param="--allowed-local-media-path")
+    path = os.path.realpath(urllib.parse.unquote(urllib.parse.urlparse(url).path))
+    if os.path.commonpath([path, policy.local_root]) != policy.local_root:
+        raise MediaError(f"{path} is outside --allowed-local-media-path", param="--allowed-local-media-path")
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size > policy.max_bytes:
+                _check_bytes(os.fstat(f.fileno()).st_size, policy)
+            return f.read(policy.max_bytes + 1)
+    except OSError as e:
+        raise MediaError(f"cannot read image {path}: {e.strerror}", param="url") from e
+
+
+async def _remote(url: str, policy: MediaPolicy) -> bytes:
+    if not policy.allow_remote:
+        raise MediaError("http(s) image URLs are refused: the server was started without --allow-remote-media",
+                         param="--allow-remote-media")
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=True) as client:
+            async with client.stream("GET", url) as response:
+                if response.status_code != 200:
+                    raise MediaError(f"fetching image {url} answered {response.status_code}", param="url")
+                data = bytearray()
+                async for chunk in response.aiter_bytes():
+                    data += chunk
+                    _check_bytes(len(data), policy)
+                return bytes(data)
+    except httpx.TimeoutException as e:
+        raise MediaError(f"fetching image {url} took longer than {policy.timeout_s:g} s (--media-timeout)",
+                         param="--media-timeout") from e
+    except httpx.HTTPError as e:
+        raise MediaError(f"fetching image {url} failed: {e}", param="url") from e
+
+
+def _check_bytes(size: int, policy: MediaPolicy) -> None:
+    if size > policy.max_bytes:
+        raise MediaError(f"an image is larger than {policy.max_bytes} bytes (--max-image-bytes)",
+                         param="--max-image-bytes")
+
+
+def decode_image(data: bytes, policy: MediaPolicy):
+    """``data`` as an RGB ``PIL.Image``; its size checked from its header before it is decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+    except (UnidentifiedImageError, OSError) as e:
+        raise MediaError(f"not an image this server reads: {e}", param="url") from e
+    width, height = image.size
+    if width * height > policy.max_pixels:
+        raise MediaError(f"an image of {width}x{height} has more than {policy.max_pixels} pixels "
+                         "(--max-image-pixels)", param="--max-image-pixels")
+    try:
+        image.load()
+    except (OSError, Image.DecompressionBombError) as e:
+        raise MediaError(f"the image cannot be decoded: {e}", param="url") from e
+    return image.convert("RGB")
+
+
+class ImagePrompts:
+    """The model's processor: a prompt's text and images into token ids and the engine's images."""
+
+    def __init__(self, processor, image_token_id: int):
+        self.processor, self.image_token_id = processor, image_token_id
+        self.image_token = processor.tokenizer.convert_ids_to_tokens(image_token_id)
+
+    @classmethod
+    def load(cls, model_dir: str, config) -> ImagePrompts:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(model_dir)
+        return cls(processor, config.image_token_id)
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.processor, "chat_template", None)
+
+    def prompt(self, text: str, images: list, special_tokens: bool = False) -> tuple[list[int], list]:
+        """``text`` (one placeholder per image, in order) and ``images`` as token ids and ImageInputs;
+        ``special_tokens``: the tokenizer's own (a raw TGI input's), else none (a rendered template's)."""
+        from server.engine.multimodal import image_key
+        from server.engine.plan import ImageInput
+
+        placeholders = text.count(self.image_token)
+        if placeholders != len(images):
+            raise MediaError(f"the prompt has {placeholders} image placeholders ({self.image_token}) for "
+                             f"{len(images)} images", param="messages")
+        if not images:
+            return self.processor.tokenizer(text, add_special_tokens=special_tokens).input_ids, []
+        out = self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=special_tokens)
+        ids = out["input_ids"][0].tolist()
+        counts = self.processor._get_num_multimodal_tokens(
+            image_sizes=[[image.height, image.width] for image in images]).num_image_tokens
+        positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(positions) != sum(counts):
+            raise MediaError(f"the processor made {len(positions)} image tokens for {len(images)} images "
+                             f"({sum(counts)} expected)", param="messages")
+        pixels = out["pixel_values"].float().contiguous()
+        inputs, at = [], 0
+        for pixel, count in zip(pixels, counts):
+            data = pixel.unsqueeze(0).numpy().tobytes()
+            start = positions[at]
+            if positions[at + count - 1] != start + count - 1:
+                raise MediaError("an image's tokens are not contiguous in the prompt", param="messages")
+            inputs.append(ImageInput(image_key(data), start, count, [1, *pixel.shape], data))
+            at += count
+        return ids, inputs
+
+    def check_text_only(self, ids: list[int], param: str) -> None:
+        """A prompt without images must hold no image token (it would take an image's place)."""
+        if self.image_token_id in ids:
+            raise MediaError(f"the prompt holds the image placeholder {self.image_token} but brings no image",
+                             param=param)

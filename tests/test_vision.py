@@ -1,0 +1,207 @@
+"""Images in, text out (``server.engine.multimodal``, ``server.api.media``): a tiny random Llava
+(CLIP tower, projector, Llama) served on 2 ranks with its tower sharded, and on a 2x2 mesh and with
+``--mm-encoder replicate``: greedy tokens equal transformers' ``generate`` on the same processor
+inputs for one image, two images, an image request beside a text-only one, OpenAI's SDK sending
+``image_url`` parts and TGI's ``![](url)``; a repeated image hits the prefix cache and a different
+one does not (and still answers its own tokens); every media limit is a 400 naming its option;
+remote URLs are refused without ``--allow-remote-media``; other image-text families are refused
+before loading."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+
+from tests.server_process import ServerProcess
+from tests.vision_checkpoints import image_data_url, make_image, reference_prompt_generate, \
+    reference_vlm_generate, write_llava_checkpoint
+
+TOKENS = 8
+QUESTION = "What is this?"
+
+
+def _parts(*images, text=QUESTION) -> list[dict]:
+    return [*({"type": "image_url", "image_url": {"url": image_data_url(i)}} for i in images),
+            {"type": "text", "text": text}]
+
+
+def _template_parts(count: int, text=QUESTION) -> list[dict]:
+    return [*({"type": "image"} for _ in range(count)), {"type": "text", "text": text}]
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vision")
+    path = write_llava_checkpoint(root / "llava")
+    media = root / "media"
+    media.mkdir()
+    make_image(3).save(media / "three.png")
+    make_image(4, size=(400, 400)).save(root / "outside.png")
+    return root, path, media
+
+
+@pytest.fixture(scope="module")
+def served(llava):
+    root, path, media = llava
+    args = ("--kv-cache-memory", "8MiB", "--kv-block-size", "4", "--max-images-per-request", "2",
+            "--max-image-pixels", "100000", "--max-image-bytes", "300000", "--allowed-local-media-path", str(media))
+    server = ServerProcess(path, extra_args=args, log_path=root / "server.log")
+    server.path, server.root, server.media = path, root, media
+    with server:
+        yield server
+
+
+def _tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _chat(server, content, **extra) -> dict:
+    r = server.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": content}], "max_tokens": TOKENS, "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _hits(server) -> float:
+    text = server.client.get("/metrics").text
+    return float(re.search(r"^hsdp_prefix_cache_hit_tokens_total (\S+)$", text, re.M).group(1))
+
+
+def _text(server, ids) -> str:
+    return _tokenizer(server.path).decode(ids, skip_special_tokens=True)
+
+
+def test_one_image_through_the_openai_sdk(served):
+    import openai
+
+    image = make_image(1)
+    want = reference_vlm_generate(served.path, [{"role": "user", "content": _template_parts(1)}], [image], TOKENS)
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="none")
+    out = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=TOKENS, temperature=0,
+                                         messages=[{"role": "user", "content": _parts(image)}])
+    assert out.choices[0].message.content == _text(served, want)
+    assert out.usage.prompt_tokens == 31  # the image's 4 tokens counted
+
+
+def test_two_images_in_order(served):
+    a, b = make_image(1), make_image(2)
+    for pair in ((a, b), (b, a)):
+        want = reference_vlm_generate(served.path, [{"role": "user", "content": _template_parts(2)}], pair, TOKENS)
+        assert _chat(served, _parts(*pair))["choices"][0]["message"]["content"] == _text(served, want)
+
+
+def test_tgi_markdown_image_gives_transformers_tokens(served):
+    image = make_image(5)
+    prompt = "USER: ![](" + image_data_url(image) + ") Describe it.\nASSISTANT:"
+    want = reference_prompt_generate(served.path, "USER: <image> Describe it.\nASSISTANT:", [image], TOKENS)
+    r = served.client.post("/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": TOKENS,
+                                                                                "details": True}})
+    assert r.status_code == 200, r.text
+    assert [t["id"] for t in r.json()["details"]["tokens"]] == want
+
+
+def test_local_file_under_the_allowed_path(served):
+    from PIL import Image
+
+    image = Image.open(served.media / "three.png").convert("RGB")
+    want = reference_vlm_generate(served.path, [{"role": "user", "content": _template_parts(1)}], [image], TOKENS)
+    content = [{"type": "image_url", "image_url": {"url": f"file://{served.media / 'three.png'}"}},
+               {"type": "text", "text": QUESTION}]
+    assert _chat(served, content)["choices"][0]["message"]["content"] == _text(served, want)
+
+
+def test_image_request_beside_a_text_only_one(served):
+    image = make_image(6)
+    want_image = reference_vlm_generate(served.path, [{"role": "user", "content": _template_parts(1)}], [image],
+                                        TOKENS)
+    want_text = reference_vlm_generate(served.path, [{"role": "user", "content": "The quick brown fox"}], [],
+                                       TOKENS)
+    results = {}
+
+    def run(name, content):
+        results[name] = _chat(served, content)["choices"][0]["message"]["content"]
+
+    threads = [threading.Thread(target=run, args=("image", _parts(image))),
+               threading.Thread(target=run, args=("text", "The quick brown fox"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {"image": _text(served, want_image), "text": _text(served, want_text)}
+
+
+def test_prefix_cache_keys_images_by_content(served):
+    first, other = make_image(7), make_image(8)
+    want = {id(i): reference_vlm_generate(served.path, [{"role": "user", "content": _template_parts(1)}], [i],
+                                          TOKENS) for i in (first, other)}
+    _chat(served, _parts(first))
+    before = _hits(served)
+    assert _chat(served, _parts(first))["choices"][0]["message"]["content"] == _text(served, want[id(first)])
+    repeated = _hits(served) - before
+    assert repeated >= 28  # every full block of the 31-token prompt: the image's among them
+    before = _hits(served)
+    assert _chat(served, _parts(other))["choices"][0]["message"]["content"] == _text(served, want[id(other)])
+    # "USER: " fills one block of 4; the next holds the image's first tokens: another image misses there
+    assert _hits(served) - before == 4
+
+
+@pytest.mark.parametrize("case, option", [
+    ("count", "--max-images-per-request"),
+    ("pixels", "--max-image-pixels"),
+    ("bytes", "--max-image-bytes"),
+    ("outside", "--allowed-local-media-path"),
+    ("remote", "--allow-remote-media"),
+])
+def test_media_limits_are_400s_naming_the_option(served, case, option):
+    from PIL import Image
+
+    big = Image.frombytes("RGB", (400, 400), bytes(400 * 400 * 3))
+    urls = {
+        "count": [image_data_url(make_image(i)) for i in range(3)],
+        "pixels": [image_data_url(big)],
+        "bytes": [image_data_url(make_image(9, size=(330, 330)))],  # random pixels: a PNG of ~330 kB
+        "outside": [f"file://{served.root / 'outside.png'}"],
+        "remote": ["https://example.com/cat.png"],
+    }[case]
+    content = [*({"type": "image_url", "image_url": {"url": u}} for u in urls), {"type": "text", "text": "?"}]
+    r = served.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                          "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == option, r.text
+    assert option in r.json()["error"]["message"]
+    assert _chat(served, "still serving?")["choices"]  # the server goes on
+
+
+def test_placeholders_must_match_images(served):
+    r = served.client.post("/generate", json={"inputs": "USER: <image> hi", "parameters": {"max_new_tokens": 2}})
+    assert r.status_code == 400 and "placeholder" in r.json()["error"], r.text
+    r = served.client.post("/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "<image>"}] + _parts(make_image(1))}], "max_tokens": 2})
+    assert r.status_code == 400 and "placeholders" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, args", [(4, ("--replicate-size", "2")), (2, ("--mm-encoder", "replicate"))],
+                         ids=["2x2-mesh", "encoder-replicated"])
+def test_other_meshes_and_a_replicated_encoder(llava, nproc, args):
+    root, path, _ = llava
+    a, b = make_image(1), make_image(2)
+    want = reference_vlm_generate(path, [{"role": "user", "content": _template_parts(2)}], (a, b), TOKENS)
+    with ServerProcess(path, nproc=nproc, extra_args=("--kv-cache-memory", "8MiB", *args),
+                       log_path=root / f"server-{nproc}.log") as server:
+        server.path = path
+        for _ in range(2):  # each replica (or a prefix hit) answers the same
+            assert _chat(server, _parts(a, b))["choices"][0]["message"]["content"] == _text(server, want)
+
+
+def test_other_image_text_families_are_refused_before_loading():
+    from transformers import Qwen2VLConfig
+
+    from server.engine.capability import UnsupportedModelError, check_servable
+
+    with pytest.raises(UnsupportedModelError, match="image-text families served are llava"):
+        check_servable(Qwen2VLConfig())
