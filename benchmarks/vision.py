@@ -87,7 +87,7 @@ def serve(model: str, mode: str, nproc: int, images: list, tokens: int, tmp: str
     from tests.vision_checkpoints import image_data_url
 
     args = ("--kv-cache-memory", "256MiB", "--resident-units", "0", "--mm-encoder", mode,
-            "--max-body-bytes", "16MiB")
+            "--max-body-bytes", str(16 << 20))
     with ServerProcess(model, nproc=nproc, extra_args=args, log_path=os.path.join(tmp, f"{mode}.log")) as s:
         def body(image):
             return {"max_tokens": tokens, "temperature": 0, "messages": [{"role": "user", "content": [

@@ -95,3 +95,4 @@ class DirectForward:
                 pre.update(pre_items)
                 post.clear()
                 post.update(post_items)
+

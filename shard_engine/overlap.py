@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from shard_engine.shared_weights import share_resident_units
 from shard_engine.torch_private import set_unshard_async
-from shard_engine.units import fsdp_units, unit_gathered_bytes
+from shard_engine.units import encoder_module_names, fsdp_units, unit_gathered_bytes
 
 
 def enable_forward_prefetch(model: nn.Module, *, depth: int = 2, async_collectives: bool | None = None) -> int:
@@ -39,13 +39,26 @@ def enable_forward_prefetch(model: nn.Module, *, depth: int = 2, async_collectiv
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
     links = 0
-    for i, unit in enumerate(units):
-        following = units[i + 1:i + 1 + depth]
-        unit.set_modules_to_forward_prefetch(following)
-        links += len(following)
+    for chain in _forward_chains(model, units):
+        for i, unit in enumerate(chain):
+            following = chain[i + 1:i + 1 + depth]
+            unit.set_modules_to_forward_prefetch(following)
+            links += len(following)
     for unit in units:
         set_unshard_async(unit, async_collectives)
     return links
+
+
+def _forward_chains(model: nn.Module, units: list) -> list[list]:
+    """The units in the orders forwards run them: an image-text model's encoder units (its tower and
+    projector, called on their own when images arrive) apart from the rest (the root, the decoder).
+    A link across would gather the encoder's first units in every decoder forward, and the decoder's
+    in every encode, which a rank that only matches an encode's all-gathers does not run."""
+    inside = tuple(f"{name}." for name in encoder_module_names(model))
+    names = {id(m): name for name, m in model.named_modules()}
+    encoder = [u for u in units if (names[id(u)] + ".").startswith(inside)] if inside else []
+    chosen = {id(u) for u in encoder}
+    return [chain for chain in (encoder, [u for u in units if id(u) not in chosen]) if chain]
 
 
 def disable_forward_prefetch(model: nn.Module) -> None:

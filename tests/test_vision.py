@@ -185,8 +185,10 @@ def test_placeholders_must_match_images(served):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, args", [(4, ("--replicate-size", "2")), (2, ("--mm-encoder", "replicate"))],
-                         ids=["2x2-mesh", "encoder-replicated"])
+@pytest.mark.parametrize("nproc, args", [
+    (4, ("--replicate-size", "2", "--resident-units", "0")),  # every unit gathers: an idle rank gathers alone
+    (2, ("--mm-encoder", "replicate")),
+], ids=["2x2-mesh-gathering", "encoder-replicated"])
 def test_other_meshes_and_a_replicated_encoder(llava, nproc, args):
     root, path, _ = llava
     a, b = make_image(1), make_image(2)
@@ -196,6 +198,15 @@ def test_other_meshes_and_a_replicated_encoder(llava, nproc, args):
         server.path = path
         for _ in range(2):  # each replica (or a prefix hit) answers the same
             assert _chat(server, _parts(a, b))["choices"][0]["message"]["content"] == _text(server, want)
+        # an image request and a text one at once: one rank encodes while its peer only gathers
+        results = []
+        threads = [threading.Thread(target=lambda c=c: results.append(_chat(server, c)))
+                   for c in (_parts(make_image(12)), "The quick brown fox")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(results) == 2
 
 
 def test_other_image_text_families_are_refused_before_loading():

@@ -8,7 +8,9 @@ tokens lie beyond the sequence's cached prefix (after a preemption too: the pixe
 are encoded again). In the step they arrive (``StepPlan.encode``) every rank runs
 :meth:`ImageEncoder.encode` over its new images at once, through transformers' own
 ``get_image_features`` of the model; where the encoder is sharded (``--mm-encoder shard``) a rank
-with none encodes a blank image, so that the encoder's all-gathers match. The features stay with
+with none encodes a blank image, so that the encoder's all-gathers match (its forward hooks do
+more than gather: a shared-memory ring's fill and barrier, prefetches; running them without the
+compute is not yet done). The features stay with
 the sequence until its image's last token is computed; each forward passes the rows its chunks
 need, in order, as transformers' ``mm_encoder_outputs`` (:func:`encoder_outputs`), which the model
 scatters into its placeholders' embeddings exactly as its own ``generate`` does with the pixels.
@@ -75,7 +77,9 @@ class ImageEncoder:
 
         self.model, self.device = model, device
         self.base = _base(model)
-        self.sharded = any(is_unit(model.get_submodule(name)) for name in encoder_module_names(model))
+        # in forward order (the tower, then the projector), as the model's attributes are declared
+        self.encoders = [model.get_submodule(name) for name in encoder_module_names(model)]
+        self.sharded = any(is_unit(m) for encoder in self.encoders for m in encoder.modules())
         vision = model.config.vision_config
         size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
         self.blank_shape = (1, getattr(vision, "num_channels", 3), size, size)
@@ -83,7 +87,7 @@ class ImageEncoder:
         self.images_encoded = 0
 
     @torch.no_grad()
-    def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
+    def encode(self, images: list[ImageInput], threads: int = 0) -> list[torch.Tensor]:
         """Each image's embeddings [its tokens, hidden], in order. Every rank calls it in a step whose
         plan says ``encode``, with its own new images or none."""
         if not self._settled:
@@ -92,6 +96,8 @@ class ImageEncoder:
             if self.sharded:  # the other ranks' encoder units gather: match them
                 self._features(torch.zeros(self.blank_shape, device=self.device))
             return []
+        if threads and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)  # the idle ranks' cores, as the step's forward (server.engine.cores)
         pixels = torch.cat([pixel_tensor(image) for image in images]).to(self.device)
         features = self._features(pixels)
         for image, rows in zip(images, features):

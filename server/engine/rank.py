@@ -219,7 +219,8 @@ class RankEngine:
                 if add.params.grammar is not None:
                     self._start_grammar(self.sequences[add.seq_id])
         if plan.encode and self.images is not None:
-            self._encode([self.sequences[add.seq_id] for add in plan.add if add.rank == self.rank and add.images])
+            self._encode([self.sequences[add.seq_id] for add in plan.add if add.rank == self.rank and add.images],
+                         plan.threads)
         tokens: list[TokenResult] = []
         self._prompt_logprobs: list[PromptLogprobs] = []
         if plan.forward:
@@ -245,10 +246,10 @@ class RankEngine:
             result.memory = self.memory.snapshot()
         return result
 
-    def _encode(self, sequences: list[_Sequence]) -> None:
+    def _encode(self, sequences: list[_Sequence], threads: int) -> None:
         """The new sequences' images through the image encoder, in one call (every rank calls it)."""
         entries = [entry for seq in sequences for entry in seq.images]
-        for entry, features in zip(entries, self.images.encode([image for image, _ in entries])):
+        for entry, features in zip(entries, self.images.encode([image for image, _ in entries], threads)):
             entry[1] = features
 
     @torch.no_grad()
