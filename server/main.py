@@ -185,6 +185,8 @@ def serve_rank(cfg: ServeConfig, source) -> None:
             admin = state.weights_admin = WeightsAdmin(loaded, cfg, source.path, state.metrics)
             admin.router, admin.sharing, admin.state, admin.loaded_mesh = scheduler, sharing, state, mesh_shape
             state.metrics.weights_version.labels(admin.version).set(1)
+            for s in scheduler.schedulers:
+                s.weights_version = admin.version  # each token says which weights computed it
             if sharing is not None:
                 sharing.router, sharing.admin = scheduler, admin
             _open_for_requests(cfg, state, scheduler, loaded, engine, per_rank, group)

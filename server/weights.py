@@ -35,7 +35,7 @@ class WeightsAdmin:
 
     def __init__(self, loaded, cfg, source_path: str, metrics=None):
         self.loaded, self.cfg, self.metrics = loaded, cfg, metrics
-        self.version = cfg.served_model_name or os.path.basename(source_path.rstrip("/")) or "initial"
+        self.version = label(cfg.served_model_name or os.path.basename(source_path.rstrip("/")))
         self.source = source_path
         self.updated_at: float | None = None
         self.last: dict | None = None  # the last update's outcome
@@ -234,11 +234,18 @@ def _parse(body) -> tuple[str, str, str]:
     if "://" in source:
         raise InputValidationError("source: only a local checkpoint directory is updated from so far; s3:// and Hub "
                                    "ids are not implemented", param="source")
-    if version is not None and (not isinstance(version, str) or not 0 < len(version) <= 128):
-        raise InputValidationError("version: a label of 1 to 128 characters", param="version")
+    if version is not None and (not isinstance(version, str) or not 0 < len(version) <= 128
+                                or not all(" " <= c <= "~" for c in version)):
+        raise InputValidationError("version: a label of 1 to 128 printable ASCII characters (it is sent as the "
+                                   "x-weights-version header)", param="version")
     if mode not in MODES:
         raise InputValidationError(f"mode: one of {', '.join(MODES)}", param="mode")
-    return source, version or os.path.basename(source.rstrip("/")), mode
+    return source, version or label(os.path.basename(source.rstrip("/"))), mode
+
+
+def label(name: str) -> str:
+    """A version label from a name: printable ASCII (an HTTP header's), at most 128 characters."""
+    return "".join(c if " " <= c <= "~" else "_" for c in name)[:128] or "initial"
 
 
 def _quantize(cfg) -> str | None:

@@ -76,7 +76,13 @@ def test_wait_lets_running_streams_finish_on_the_old_weights_then_serves_the_new
         thread.join(30)
         assert not thread.is_alive() and len(out) == STREAM_TOKENS
         assert [e["token"]["id"] for e in out] == old_stream, "a running stream finished on the old weights"
+        assert out[-1]["details"]["weights_version"] == "a"  # and says so
     assert_greedy_tokens(served, served.references["b"], TOKENS)
+    r = served.client.post("/generate", json={"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 2,
+                                                                                    "details": True}})
+    assert r.headers["x-weights-version"] == "b" and r.json()["details"]["weights_version"] == "b"
+    r = served.client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["x-weights-version"] == "b", r.text
     checkpoint = sum(os.path.getsize(os.path.join(served.paths["b"], n))
                      for n in os.listdir(served.paths["b"]) if n.endswith(".safetensors"))
     assert all(0.4 * checkpoint < read < 0.6 * checkpoint for read in outcome["bytes_read_per_rank"]), outcome
@@ -100,7 +106,13 @@ def test_keep_goes_on_with_the_running_streams(served):
     _update(served, "b", mode="keep")
     threads[0].join(30)
     assert len(outs[0]) == STREAM_TOKENS and outs[0][-1]["details"]["finish_reason"] == "length"
+    assert outs[0][-1]["details"]["weights_version"] == "b"  # its last tokens came from the new weights
     assert_greedy_tokens(served, served.references["b"], TOKENS)
+
+
+def test_a_version_label_must_be_printable_ascii(served):
+    r = served.client.post("/admin/weights", json={"source": served.paths["a"], "version": "v\u00e9\n"})
+    assert r.status_code == 422 and r.json()["error_type"] == "validation" and "ASCII" in r.json()["error"], r.text
 
 
 def test_a_wrong_checkpoint_is_refused_naming_it_and_the_old_weights_serve_on(served, tmp_path):

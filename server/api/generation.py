@@ -160,6 +160,7 @@ class RequestStream:
         self.output = OutputProcessor(state.tokenizer, stop, state.special_ids)
         self.num_tokens = 0  # tokens delivered (the engine may have made one or two more after a stop)
         self.finish_reason: str | None = None
+        self.weights_version: str | None = None  # the version of the weights that computed its last token
         self.arrived_at = time.monotonic()
         self.finished_at: float | None = None
         self._submit()
@@ -197,6 +198,7 @@ class RequestStream:
                     raise GenerationError(event.message)
                 out = self.output.process(event)
                 self.num_tokens += 1
+                self.weights_version = event.weights_version or None
                 if out.finish == "stop_sequence":
                     scheduler.finish(self.handle)
                 yield out
@@ -225,6 +227,7 @@ class RequestStream:
             "x-time-per-token": str(round(inference * 1000 / tokens)),
             "x-prompt-tokens": str(len(h.prompt_ids)),
             "x-generated-tokens": str(self.num_tokens),
+            **({"x-weights-version": self.weights_version} if self.weights_version else {}),
         }
 
 

@@ -49,6 +49,7 @@ class TokenEvent:
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     """On a request's first token, where it asked for them: (logprob, alternatives) of each prompt
     token after the first."""
+    weights_version: str = ""  # the version of the weights that computed it (server.weights)
 
 
 @dataclass
@@ -169,6 +170,8 @@ class Scheduler:
         self._go = False  # every group is quiet: plan the update (start_update)
         self._holding = False  # quiet for an update: no work until release_update
         self.update_reports: list = []  # its ranks' UpdateReports of the last update
+        self.weights_version = ""  # what its tokens are computed with: the last update that every rank wrote
+        self._next_version = ""  # the planned update's, once every rank reports it written
         self.quiet = threading.Event()  # this group holds, nothing running (or kept): it may update
         self.updated = threading.Event()  # every rank of the group has reported
         self._ids = itertools.count()
@@ -280,6 +283,7 @@ class Scheduler:
             self.quiet.set()
         if self._holding and self._go and self._update is not None:
             plan.update, self._update, self._go = self._update[0], None, False  # no work: every rank updates
+            self._next_version = plan.update.version
             for pool in self.pools:  # what the cache holds was computed by the old weights
                 pool.forget_prefixes()
         elif not self._holding:
@@ -533,6 +537,8 @@ class Scheduler:
             if result.update is not None:
                 self.update_reports.append((result.rank, result.update))
                 if len(self.update_reports) == len(self.rank_ids):
+                    if all(report.error is None for _, report in self.update_reports):
+                        self.weights_version = self._next_version  # the next step computes with them
                     self.updated.set()
             local = self._local[result.rank]
             self.rank_stats[local] = result
@@ -593,7 +599,7 @@ class Scheduler:
             self._to_remove.append(handle)  # freed on its rank at the next step
         first = handle.prompt_scores is not None and handle.num_generated == 1
         handle.deliver(TokenEvent(token_id, result.logprob, result.top, reason,
-                                  handle.prompt_scores if first else None))
+                                  handle.prompt_scores if first else None, self.weights_version))
 
     def step_began(self, at: float) -> None:
         """The engine thread: a step with a forward went out at ``at`` (``time.perf_counter``)."""

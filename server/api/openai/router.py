@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 
 from server.api.openai.chat_completions import ChatCompletionServing
 from server.api.openai.completions import CompletionServing
@@ -28,10 +28,12 @@ async def models(state: ServerState = Depends(server_state)) -> ModelList:
 
 
 @router.post("/completions", response_model=CompletionResponse)
-async def completions(req: CompletionRequest, request: Request, state: ServerState = Depends(server_state)):
-    return await stream_or_collect(await CompletionServing.start(state, req), req, request)
+async def completions(req: CompletionRequest, request: Request, response: Response,
+                      state: ServerState = Depends(server_state)):
+    return await stream_or_collect(await CompletionServing.start(state, req), req, request, response)
 
 
 @router.post("/chat/completions", response_model=ChatCompletionResponse)
-async def chat_completions(req: ChatCompletionRequest, request: Request, state: ServerState = Depends(server_state)):
-    return await stream_or_collect(await ChatCompletionServing.start(state, req), req, request)
+async def chat_completions(req: ChatCompletionRequest, request: Request, response: Response,
+                           state: ServerState = Depends(server_state)):
+    return await stream_or_collect(await ChatCompletionServing.start(state, req), req, request, response)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from fastapi import Request
+from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from server.api.generation import RequestStream, check_token_ids, collect_all, compile_grammar
@@ -131,11 +131,16 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Token
             task.cancel()
 
 
-async def stream_or_collect(serving, req, request: Request):
+async def stream_or_collect(serving, req, request: Request, response: Response | None = None):
     """A streamed request: the SSE frames of ``serving.chunks()`` (an engine error becomes the error
-    frame), ``[DONE]`` last. Else ``serving.respond(outputs per choice)``."""
+    frame), ``[DONE]`` last. Else ``serving.respond(outputs per choice)``, with the
+    ``x-weights-version`` header (the weights that computed its first choice's last token) on
+    ``response``."""
     if not req.stream:
-        return serving.respond(await collect_all(serving.streams, request))
+        answer = serving.respond(await collect_all(serving.streams, request))
+        if response is not None and serving.streams[0].weights_version:
+            response.headers["x-weights-version"] = serving.streams[0].weights_version
+        return answer
     path = request.url.path
 
     async def frames() -> AsyncIterator[str]:

@@ -116,6 +116,8 @@ class SequenceDetails(BaseModel):
     tokens: list[Token] = Field(default_factory=list)
     top_tokens: list[list[Token]] | None = None
     """With ``top_n_tokens``: the most likely tokens at each step."""
+    weights_version: str | None = None
+    """hsdp-serve's: the version of the weights that computed the last token (``POST /admin/weights``)."""
 
 
 class BestOfSequence(SequenceDetails):
@@ -136,6 +138,7 @@ class StreamDetails(BaseModel):
     finish_reason: FinishReason
     generated_tokens: int
     seed: int | None = None
+    weights_version: str | None = None  # as SequenceDetails'
 
 
 class StreamResponse(BaseModel):

@@ -125,7 +125,7 @@ def _sequence(body: GenerateRequest, stream: RequestStream, outputs: list[TokenO
     p, output = body.parameters, stream.output
     return BestOfSequence(
         generated_text=_full_text(body, stream.text), finish_reason=outputs[-1].finish,
-        generated_tokens=stream.num_tokens, seed=stream.seed,
+        generated_tokens=stream.num_tokens, seed=stream.seed, weights_version=stream.weights_version,
         prefill=_prefill(output, prompt_ids, outputs[0]) if p.decoder_input_details else [],
         tokens=[_tokens(output, o) for o in outputs],
         top_tokens=[_top_tokens(output, o) for o in outputs] if p.top_n_tokens else None)
@@ -150,7 +150,7 @@ async def generate_stream(body: GenerateRequest, state: ServerState = Depends(se
                 if out.last:  # the last frame also carries the whole text and the details
                     text = _full_text(body, stream.text)
                     details = StreamDetails(finish_reason=out.finish, generated_tokens=stream.num_tokens,
-                                            seed=stream.seed)
+                                            seed=stream.seed, weights_version=stream.weights_version)
                 top = _top_tokens(stream.output, out) if p.top_n_tokens else None
                 yield sse(StreamResponse(index=index, token=_tokens(stream.output, out), top_tokens=top,
                                          generated_text=text, details=details))
