@@ -32,17 +32,21 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original
 
 
-def auto_model_class(config):
-    """The Auto class that builds ``config``'s model: ``AutoModelForCausalLM``, or for an image-text
-    model transformers does not map to a causal LM (Llava, Qwen2-VL, ...)
-    ``AutoModelForImageTextToText``, which keeps its vision encoder."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+def image_text_only(config) -> bool:
+    """Whether transformers builds ``config``'s model as image-text-to-text only, with no causal-LM
+    class (Llava, Qwen2-VL, ...)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, \
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
+    return type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+
+def auto_model_class(config):
+    """The Auto class that builds ``config``'s model: ``AutoModelForCausalLM``, or for an
+    :func:`image_text_only` model ``AutoModelForImageTextToText``, which keeps its vision encoder."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if image_text_only(config) else AutoModelForCausalLM
 
 
 def build_skeleton(config, model_class, dtype: torch.dtype) -> nn.Module:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 
 from loaders import READ_MODES
+from shard_engine.config import ENCODER_MODES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -65,7 +66,6 @@ COMPILE_MODES = ("none", "decode")  # server.engine.compiled
 COMPILE_REGIONS = ("layer", "model")  # server.engine.compiled
 PACKED_LINEAR_MODES = ("auto", "on", "off")  # server.engine.linears
 QUANTIZE_ON_LOAD = ("none", "int8", "fp8")  # loaders.quantization.on_load
-MM_ENCODER_MODES = ("shard", "replicate")  # shard_engine.units.ENCODER_MODES
 TOOL_CALL_PARSERS = ("hermes",)  # server.api.openai.tools.FORMATS, checked there
 
 
@@ -228,7 +228,7 @@ class ServeConfig:
     mm_encoder: str = option(
         "shard", "an image-text model's vision encoder and projector: shard (FSDP units like the decoder's, each "
         "rank reading and holding its rows) or replicate (whole on every rank: no all-gathers when it encodes)",
-        "model", choices=MM_ENCODER_MODES)
+        "model", choices=ENCODER_MODES)
     read_mode: str = option("sliced", "sliced: each rank reads only its own rows; full: whole tensors", "model",
                             choices=READ_MODES)
     load_concurrency: int = option(8, "reads a rank keeps in flight: ranged GETs of an s3:// checkpoint; "

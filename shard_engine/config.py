@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_AXES = ("replicate", "shard")
+ENCODER_MODES = ("shard", "replicate")
+"""``HSDPInferenceConfig.encoder``: an image-text model's encoder as units, or whole on every rank."""
 
 
 @dataclass(kw_only=True)
@@ -45,8 +47,8 @@ class HSDPInferenceConfig:
             raise ValueError(f"replicate_size must be a positive int, got {self.replicate_size!r}")
         if not isinstance(self.shard_size, int) or (self.shard_size < 1 and self.shard_size != -1):
             raise ValueError(f"shard_size must be a positive int or -1, got {self.shard_size!r}")
-        if self.encoder not in ("shard", "replicate"):
-            raise ValueError(f"encoder must be 'shard' or 'replicate', got {self.encoder!r}")
+        if self.encoder not in ENCODER_MODES:
+            raise ValueError(f"encoder must be one of {ENCODER_MODES}, got {self.encoder!r}")
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):

@@ -95,4 +95,3 @@ class DirectForward:
                 pre.update(pre_items)
                 post.clear()
                 post.update(post_items)
-

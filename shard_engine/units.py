@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from shard_engine.config import ENCODER_MODES
 from shard_engine.torch_private import fsdp_params, gathered_dtype, gathered_numel, local_numel
 
 logger = logging.getLogger(__name__)
@@ -56,9 +57,6 @@ ENCODER_ATTRIBUTES = ("vision_tower", "visual", "vision_model", "multi_modal_pro
 """Where transformers' image-text-to-text models keep their vision encoder and its projector (on the
 model or on its ``model``): Llava's ``vision_tower`` and ``multi_modal_projector``, Qwen2-VL's
 ``visual``, Idefics3's ``vision_model`` and ``connector``."""
-
-ENCODER_MODES = ("shard", "replicate")
-
 
 def encoder_module_names(model: nn.Module) -> list[str]:
     """Qualified names of ``model``'s image encoder and projector modules (empty for a text model)."""

@@ -55,6 +55,17 @@ def _wait_http(server, timeout=120):
     raise TimeoutError(server.log_tail())
 
 
+def _ask(page, prompt: str, max_tokens: int, until: str) -> None:
+    """Send ``prompt`` greedily from the page's chat; return once the answer's figures show ``until``."""
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", str(max_tokens))
+    page.fill("#prompt", prompt)
+    page.click("#send")
+    page.wait_for_function("document.querySelector('#messages .stats') && "
+                           f"document.querySelector('#messages .stats').textContent.includes('{until}')",
+                           timeout=60000)
+
+
 def test_the_page_shows_the_load_the_group_and_a_streamed_answer(browser, model_dir, tmp_path):
     if SHOTS:  # the default model (real weights, 272 tensors), for pictures worth looking at
         server = ServerProcess(None, log_path=tmp_path / "log", extra_args=("--dtype", "float32"),
@@ -84,13 +95,7 @@ def test_the_page_shows_the_load_the_group_and_a_streamed_answer(browser, model_
         # the live figures are up before the chat: two scrapes of /metrics make a rate, 0 while idle
         page.wait_for_function("document.getElementById('tps').textContent === '0.0'", timeout=20000)
         # a chat answer streams in, with its figures
-        page.fill("#temperature", "0")
-        page.fill("#max-tokens", "24")
-        page.fill("#prompt", "What is the capital of France?")
-        page.click("#send")
-        page.wait_for_function("document.querySelector('#messages .stats') && "
-                               "document.querySelector('#messages .stats').textContent.includes('tokens/s')",
-                               timeout=60000)
+        _ask(page, "What is the capital of France?", 24, until="tokens/s")
         assert page.inner_text("#messages .assistant").strip(), page.inner_text("#messages")
         assert "error" not in page.inner_text("#messages .stats")
         # the live figures count what was just generated: a scrape after the answer shows a rate
@@ -145,13 +150,7 @@ def test_the_chat_takes_an_image_and_shows_it_beside_the_answer(browser, tmp_pat
         page.wait_for_selector("#image-row:not([hidden])", timeout=20000)  # /info says it takes images
         page.set_input_files("#image", str(picture))
         page.wait_for_selector("#image-preview:not([hidden])", timeout=20000)
-        page.fill("#temperature", "0")
-        page.fill("#max-tokens", "8")
-        page.fill("#prompt", "What is it?")
-        page.click("#send")
-        page.wait_for_function("document.querySelector('#messages .stats') && "
-                               "document.querySelector('#messages .stats').textContent.includes('chunks')",
-                               timeout=60000)
+        _ask(page, "What is it?", 8, until="chunks")
         assert page.eval_on_selector("#messages .user img", "img => img.src").startswith("data:image/png;base64,")
         assert page.inner_text("#messages .assistant") == text
         assert page.is_hidden("#image-preview")  # the next question starts without it

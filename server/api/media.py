@@ -106,9 +106,8 @@ def _local(url: str, policy: MediaPolicy) -> bytes:
         raise MediaError(f"{path} is outside --allowed-local-media-path", param="--allowed-local-media-path")
     try:
         with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size > policy.max_bytes:
-                _check_bytes(os.fstat(f.fileno()).st_size, policy)
-            return f.read(policy.max_bytes + 1)
+            _check_bytes(os.fstat(f.fileno()).st_size, policy)
+            return f.read()
     except OSError as e:
         raise MediaError(f"cannot read image {path}: {e.strerror}", param="url") from e
 

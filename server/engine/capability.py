@@ -68,9 +68,10 @@ def check_servable(config, model_class=None) -> None:
             "attention; recurrent, convolution and chunked layers are not kept per sequence)")
     if model_class is None:
         model_class = _causal_lm_class(config, architecture)
+    from loaders.skeleton import image_text_only
     from server.engine.multimodal import SERVED_IMAGE_TEXT_MODEL_TYPES
 
-    if _image_text_only(config) and config.model_type not in SERVED_IMAGE_TEXT_MODEL_TYPES:
+    if image_text_only(config) and config.model_type not in SERVED_IMAGE_TEXT_MODEL_TYPES:
         raise UnsupportedModelError(
             architecture, "its images are not computed by the engine: the image-text families served are "
             f"{', '.join(sorted(SERVED_IMAGE_TEXT_MODEL_TYPES))} (a 3-D rope, bidirectional attention over an "
@@ -113,14 +114,6 @@ def _architecture(config) -> str:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__
     except KeyError:
         return type(config).__name__.removesuffix("Config")
-
-
-def _image_text_only(config) -> bool:
-    """Whether transformers builds ``config``'s model as image-text-to-text only (no causal-LM class)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, \
-        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
-
-    return type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
 
 def _causal_lm_class(config, architecture: str):

@@ -64,9 +64,13 @@ def _base(model: nn.Module) -> nn.Module:
 
 def takes_images(model: nn.Module) -> bool:
     """Whether ``model`` is an image-text model of a family served with images."""
-    config = model.config
-    return getattr(config, "model_type", None) in SERVED_IMAGE_TEXT_MODEL_TYPES and any(
-        callable(getattr(m, "get_image_features", None)) for m in (model, getattr(model, "model", None)) if m)
+    if getattr(model.config, "model_type", None) not in SERVED_IMAGE_TEXT_MODEL_TYPES:
+        return False
+    try:
+        _base(model)
+    except ValueError:
+        return False
+    return True
 
 
 class ImageEncoder:
@@ -77,14 +81,12 @@ class ImageEncoder:
 
         self.model, self.device = model, device
         self.base = _base(model)
-        # in forward order (the tower, then the projector), as the model's attributes are declared
-        self.encoders = [model.get_submodule(name) for name in encoder_module_names(model)]
-        self.sharded = any(is_unit(m) for encoder in self.encoders for m in encoder.modules())
+        self.sharded = any(is_unit(m) for name in encoder_module_names(model)
+                           for m in model.get_submodule(name).modules())
         vision = model.config.vision_config
         size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
         self.blank_shape = (1, getattr(vision, "num_channels", 3), size, size)
         self._settled = False
-        self.images_encoded = 0
 
     @torch.no_grad()
     def encode(self, images: list[ImageInput], threads: int = 0) -> list[torch.Tensor]:
@@ -103,7 +105,6 @@ class ImageEncoder:
         for image, rows in zip(images, features):
             if rows.shape[0] != image.count:
                 raise ValueError(f"an image encoded to {rows.shape[0]} embeddings for {image.count} placeholders")
-        self.images_encoded += len(images)
         return features
 
     def _features(self, pixels: torch.Tensor) -> list[torch.Tensor]:
