@@ -5,6 +5,14 @@ over 28x28 images in 14x14 patches, so 4 patch features a picture once the CLS f
 ``tests.checkpoints.make_config("llama")``'s text model) with a ``LlavaProcessor`` whose tokenizer is
 the test tokenizer plus the special token ``<image>``. One image expands to 4 ``<image>`` tokens.
 Everything loads offline through ``AutoProcessor`` and ``AutoModelForImageTextToText``.
+
+``write_qwen_vl_checkpoint`` saves a tiny Qwen2-VL or Qwen2.5-VL (a 2-block vision transformer over
+14x14 patches, 2x2 of them merged into one token, images resized to 56..84 pixels a side so that
+their grids differ; a 3-layer text model with the 3-D rope ``mrope_section`` [2, 3, 3]) with the
+Qwen tokens ``<|vision_start|><|image_pad|><|vision_end|>``. Its processor is saved as its parts (the
+image processor, the tokenizer, the chat template): transformers builds a Qwen-VL processor only
+with torchvision, which this machine's torch has no build of; :func:`server.api.media.load_processor`
+assembles it from them.
 """
 
 from __future__ import annotations
@@ -135,7 +143,11 @@ def write_llava_checkpoint(path, *, seed: int = 0, max_shard_size="40KB", dtype=
 
 
 def _hub_name(name: str) -> str:
-    for prefix, hub_prefix in HUB_PREFIXES.items():
+    return _rename(name, HUB_PREFIXES)
+
+
+def _rename(name: str, prefixes: dict) -> str:
+    for prefix, hub_prefix in prefixes.items():
         if name.startswith(prefix):
             return hub_prefix + name[len(prefix):]
     raise ValueError(name)
@@ -157,12 +169,104 @@ def image_data_url(image, fmt: str = "PNG") -> str:
     return f"data:image/{fmt.lower()};base64,{base64.b64encode(buf.getvalue()).decode()}"
 
 
+# Qwen's template: each image part a vision span whose one pad the processor repeats per merged patch.
+QWEN_IMAGE_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] in ('image', 'image_url') -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+QWEN_PIXELS = (56 * 56, 84 * 84)  # the image processor's min_pixels and max_pixels
+
+
+def make_qwen_vl_config(model_type: str, tok):
+    """A Qwen2-VL or Qwen2.5-VL config: text hidden 64 (4 heads of 16, 2 KV heads, 3 layers, the 3-D
+    rope's sections [2, 3, 3]); vision hidden 32, 2 blocks, 14x14 patches, 2x2 merged (Qwen2.5-VL's
+    second block attends over the whole image, its first within 28-pixel windows)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+
+    token = tok.convert_tokens_to_ids
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                rope_parameters={"rope_type": "default", "rope_theta": 100.0, "mrope_section": [2, 3, 3]},
+                bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    vision = dict(depth=2, num_heads=4, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    if model_type == "qwen2_vl":
+        cls, vision = Qwen2VLConfig, dict(vision, embed_dim=32, hidden_size=64, mlp_ratio=2)
+    elif model_type == "qwen2_5_vl":
+        cls, vision = Qwen2_5_VLConfig, dict(vision, hidden_size=32, intermediate_size=64, out_hidden_size=64,
+                                             window_size=28, fullatt_block_indexes=[1])
+    elif model_type == "qwen3_vl":  # 16x16 patches, learned position embeddings, deepstack after block 0
+        text["rope_parameters"] = dict(text["rope_parameters"], mrope_interleaved=True)
+        cls, vision = Qwen3VLConfig, dict(vision, patch_size=16, hidden_size=32, intermediate_size=64,
+                                          out_hidden_size=64, num_position_embeddings=64, deepstack_visual_indexes=[0])
+        text.update(head_dim=16)
+    else:
+        raise ValueError(model_type)
+    return cls(text_config=text, vision_config=vision, image_token_id=token("<|image_pad|>"),
+               video_token_id=token("<|video_pad|>"), vision_start_token_id=token("<|vision_start|>"),
+               vision_end_token_id=token("<|vision_end|>"), tie_word_embeddings=False)
+
+
+# Qwen2-VL and Qwen2.5-VL checkpoints on the hub name the text model ``model.`` and the vision tower
+# ``visual.``; Qwen3-VL's use transformers' own names
+QWEN_HUB_PREFIXES = {"model.language_model.": "model.", "model.visual.": "visual.", "lm_head.": "lm_head."}
+
+
+def write_qwen_vl_checkpoint(path, model_type: str = "qwen2_vl", *, seed: int = 0, max_shard_size="40KB") -> str:
+    """Save a random-weight Qwen2-VL (``model_type`` "qwen2_vl"), Qwen2.5-VL ("qwen2_5_vl") or Qwen3-VL
+    ("qwen3_vl") under the hub's tensor names (:data:`QWEN_HUB_PREFIXES`, Qwen3-VL's transformers' own), its image processor,
+    tokenizer and chat template."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer().save_pretrained(tmp)
+        tok = AutoTokenizer.from_pretrained(tmp)
+    tok.add_special_tokens({"additional_special_tokens": list(QWEN_IMAGE_TOKENS)})
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    config = make_qwen_vl_config(model_type, tok)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).to(torch.float32)
+    with torch.no_grad():  # image features that outweigh the text's, as the Llava's projector (PROJECTOR_STD)
+        for name, param in model.model.visual.named_parameters():
+            if "merger" in name and name.endswith("weight") and param.dim() == 2:
+                param.normal_(0.0, PROJECTOR_STD)
+    state_dict = model.state_dict()
+    if model_type != "qwen3_vl":
+        state_dict = {_rename(k, QWEN_HUB_PREFIXES): v for k, v in state_dict.items()}
+    path = str(path)
+    model.save_pretrained(path, state_dict=state_dict, max_shard_size=max_shard_size, save_original_format=False)
+    patch = config.vision_config.patch_size
+    scale = (patch / 14) ** 2  # Qwen3-VL's 16-pixel patches: the same grids as 14-pixel ones
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=int(QWEN_PIXELS[0] * scale),
+                                               max_pixels=int(QWEN_PIXELS[1] * scale), patch_size=patch,
+                                               temporal_patch_size=2, merge_size=2)
+    image_processor.save_pretrained(path)
+    tok.save_pretrained(path)
+    with open(f"{path}/chat_template.jinja", "w") as f:
+        f.write(QWEN_CHAT_TEMPLATE)
+    return path
+
+
 @functools.lru_cache(maxsize=4)
 def _reference_model(path: str):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
+
+    from server.api.media import load_processor
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    return model, AutoProcessor.from_pretrained(path)
+    return model, load_processor(path)
 
 
 def reference_vlm_generate(path, messages, images, max_new_tokens: int = 16) -> list[int]:
@@ -184,3 +288,20 @@ def reference_prompt_generate(path, prompt: str, images, max_new_tokens: int = 1
         pad_token_id=processor.tokenizer.pad_token_id,
     )
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@torch.no_grad()
+def reference_vlm_logprobs(path, messages, images, max_new_tokens: int = 16) -> tuple[list[int], list[float]]:
+    """Greedy new token ids from transformers' own unsharded model for chat ``messages`` showing
+    ``images``, and each one's log-probability (of the raw scores): where a model's positions
+    matter less than its images (a random one), its log-probabilities still tell them apart."""
+    model, processor = _reference_model(str(path))
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=prompt, images=list(images) or None, return_tensors="pt")
+    out = model.generate(
+        **inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+        pad_token_id=processor.tokenizer.pad_token_id, output_logits=True, return_dict_in_generate=True,
+    )
+    ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logprobs = [torch.log_softmax(scores[0].float(), -1)[token].item() for scores, token in zip(out.logits, ids)]
+    return ids, logprobs

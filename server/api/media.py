@@ -8,11 +8,13 @@ by rank 0 within ``--media-timeout`` and never beyond ``--max-image-bytes``. Eve
 and a request brings at most ``--max-images-per-request``. Each violation is a
 :class:`~server.http.errors.MediaError` (400) naming its option; the server keeps serving.
 
-:class:`ImagePrompts` holds the model's processor (``AutoProcessor``): a prompt's text, with the
+:class:`ImagePrompts` holds the model's processor (:func:`load_processor`): a prompt's text, with the
 chat template's image placeholders, and its images become the prompt's token ids (each image's
 placeholder expanded to its tokens) and one :class:`~server.engine.plan.ImageInput` per image,
 which the engine encodes (``server.engine.multimodal``). A prompt whose placeholders do not match
-its images (a placeholder typed as text, an image without one) is a 400 too.
+its images (a placeholder typed as text, an image without one) is a 400 too. An image of a family
+whose rope places image tokens by their grid (Qwen-VL's ``image_grid_thw``) carries its grid; its
+pixel values are the processor's patch rows for it.
 """
 
 from __future__ import annotations
@@ -160,19 +162,56 @@ def decode_image(data: bytes, policy: MediaPolicy):
     return image.convert("RGB")
 
 
+def load_processor(model_dir: str):
+    """The model's processor (``AutoProcessor``). A processor that also takes videos is built from
+    its image processor and tokenizer where transformers cannot make its video processor (Qwen-VL's
+    needs torchvision, which not every torch build has): images are all the engine takes."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(model_dir)
+    except ImportError as exc:
+        if "torchvision" not in str(exc).lower():
+            raise
+        return _image_processor_only(model_dir)
+
+
+def _image_processor_only(model_dir: str):
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+
+    processor_class = PROCESSOR_MAPPING[type(AutoConfig.from_pretrained(model_dir))]
+    if "video_processor" not in processor_class.get_attributes():
+        raise ImportError(f"{processor_class.__name__} needs torchvision")
+
+    class ImagesOnly(processor_class):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+
+    ImagesOnly.__name__ = ImagesOnly.__qualname__ = processor_class.__name__
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return ImagesOnly(image_processor=AutoImageProcessor.from_pretrained(model_dir), tokenizer=tokenizer,
+                      video_processor=None, chat_template=tokenizer.chat_template)
+
+
 class ImagePrompts:
     """The model's processor: a prompt's text and images into token ids and the engine's images."""
 
-    def __init__(self, processor, image_token_id: int):
+    def __init__(self, processor, image_token_id: int, span: tuple[int, int] | None = None):
         self.processor, self.image_token_id = processor, image_token_id
         self.image_token = processor.tokenizer.convert_ids_to_tokens(image_token_id)
+        # what an image in a raw prompt (TGI's ![](url)) becomes: the placeholder, inside the family's
+        # vision span where it has one (Qwen-VL's <|vision_start|>...<|vision_end|>), as its template writes it
+        self.markdown_image = self.image_token
+        if span is not None:
+            start, end = processor.tokenizer.convert_ids_to_tokens(list(span))
+            self.markdown_image = start + self.image_token + end
 
     @classmethod
     def load(cls, model_dir: str, config) -> ImagePrompts:
-        from transformers import AutoProcessor
-
-        processor = AutoProcessor.from_pretrained(model_dir)
-        return cls(processor, config.image_token_id)
+        span = (config.vision_start_token_id, config.vision_end_token_id) \
+            if getattr(config, "vision_start_token_id", None) is not None else None
+        return cls(load_processor(model_dir), config.image_token_id, span)
 
     @property
     def chat_template(self) -> str | None:
@@ -199,13 +238,18 @@ class ImagePrompts:
             raise MediaError(f"the processor made {len(positions)} image tokens for {len(images)} images "
                              f"({sum(counts)} expected)", param="messages")
         pixels = out["pixel_values"].float().contiguous()
+        grids = out["image_grid_thw"].tolist() if "image_grid_thw" in out else [[] for _ in images]
+        if grids[0]:  # patch rows, each image's t*h*w of them in turn
+            pixels = pixels.split([t * h * w for t, h, w in grids])
+        else:
+            pixels = [pixel.unsqueeze(0) for pixel in pixels]
         inputs, at = [], 0
-        for pixel, count in zip(pixels, counts):
-            data = pixel.unsqueeze(0).numpy().tobytes()
+        for pixel, grid, count in zip(pixels, grids, counts):
+            data, shape = pixel.numpy().tobytes(), list(pixel.shape)
             start = positions[at]
             if positions[at + count - 1] != start + count - 1:
                 raise MediaError("an image's tokens are not contiguous in the prompt", param="messages")
-            inputs.append(ImageInput(image_key(data), start, count, [1, *pixel.shape], data))
+            inputs.append(ImageInput(image_key(data, shape), start, count, shape, data, grid))
             at += count
         return ids, inputs
 

@@ -12,10 +12,18 @@ with none encodes a blank image, so that the encoder's all-gathers match (its fo
 more than gather: a shared-memory ring's fill and barrier, prefetches; running them without the
 compute is not yet done). The features stay with
 the sequence until its image's last token is computed; each forward passes the rows its chunks
-need, in order, as transformers' ``mm_encoder_outputs`` (:func:`encoder_outputs`), which the model
+need, in order, as transformers' ``mm_encoder_outputs`` (:meth:`ImageEncoder.outputs`), which the model
 scatters into its placeholders' embeddings exactly as its own ``generate`` does with the pixels.
 A chunk may end inside an image: the served families attend over an image's tokens causally, as
 over text, so splitting one changes nothing.
+
+Qwen2-VL and Qwen2.5-VL place an image's tokens in their 3-D rope by the image's patch grid
+(temporal, height, width), and every later token one past the image's largest position, so that a
+sequence's positions are not its token indices (:class:`GridRope`). Each such sequence brings every
+image's span and grid (``SequenceAdd.image_grids``, cached images too); the rank computes its
+prompt's positions once with the model's own ``get_rope_index`` and each later token's as its index
+plus the prompt's offset (transformers' ``rope_deltas``). A step passes the model the 3-D positions
+only where some row is an image's; otherwise the shifted 1-D positions, as its text tokens take.
 
 The prefix cache keys an image's placeholders by the image's content (:func:`image_keyed_tokens`):
 two prompts with the same text and image share blocks; another image never matches.
@@ -34,14 +42,18 @@ from torch import nn
 
 from server.engine.plan import ImageInput
 
-SERVED_IMAGE_TEXT_MODEL_TYPES = frozenset({"llava"})
+SERVED_IMAGE_TEXT_MODEL_TYPES = frozenset({"llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
 """Image-text families whose image tokens the engine computes exactly (``model_type``): their
-attention over an image's tokens is causal, and their rope one position per token."""
+attention over an image's tokens is causal, and their rope one position per token (Llava) or
+placed by the image's grid (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: :class:`GridRope`)."""
 
 
-def image_key(pixels: bytes) -> bytes:
-    """An image's content key: 16-byte BLAKE2b of its pixel values as the model takes them."""
-    return hashlib.blake2b(pixels, digest_size=16, person=b"hsdp-image").digest()
+def image_key(pixels: bytes, shape: list[int]) -> bytes:
+    """An image's content key: 16-byte BLAKE2b of its pixel values as the model takes them, and their shape."""
+    digest = hashlib.blake2b(digest_size=16, person=b"hsdp-image")
+    digest.update(repr(list(shape)).encode())
+    digest.update(pixels)
+    return digest.digest()
 
 
 def image_keyed_tokens(prompt_ids: list[int], images: list[ImageInput]) -> list[int]:
@@ -83,33 +95,48 @@ class ImageEncoder:
         self.base = _base(model)
         self.sharded = any(is_unit(m) for name in encoder_module_names(model)
                            for m in model.get_submodule(name).modules())
-        vision = model.config.vision_config
-        size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
-        self.blank_shape = (1, getattr(vision, "num_channels", 3), size, size)
+        self.blank, self.blank_grid = _blank_image(model.config.vision_config, device)
+        self.output_class = None  # what get_image_features returns (BaseModelOutputWithPooling or a subclass)
         self._settled = False
 
     @torch.no_grad()
     def encode(self, images: list[ImageInput], threads: int = 0) -> list[torch.Tensor]:
-        """Each image's embeddings [its tokens, hidden], in order. Every rank calls it in a step whose
-        plan says ``encode``, with its own new images or none."""
+        """Each image's embeddings [1 + deepstack layers, its tokens, hidden], in order: what goes in
+        its placeholders' rows, then what the family adds to them in its first decoder layers (Qwen3-VL's
+        deepstack; none elsewhere). Every rank calls it in a step whose plan says ``encode``, with its
+        own new images or none."""
         if not self._settled:
             self._settle()
         if not images:
             if self.sharded:  # the other ranks' encoder units gather: match them
-                self._features(torch.zeros(self.blank_shape, device=self.device))
+                self._features(self.blank, [self.blank_grid] if self.blank_grid else [])
             return []
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # the idle ranks' cores, as the step's forward (server.engine.cores)
         pixels = torch.cat([pixel_tensor(image) for image in images]).to(self.device)
-        features = self._features(pixels)
+        features = self._features(pixels, [image.grid for image in images if image.grid])
         for image, rows in zip(images, features):
-            if rows.shape[0] != image.count:
-                raise ValueError(f"an image encoded to {rows.shape[0]} embeddings for {image.count} placeholders")
+            if rows.shape[1] != image.count:
+                raise ValueError(f"an image encoded to {rows.shape[1]} embeddings for {image.count} placeholders")
         return features
 
-    def _features(self, pixels: torch.Tensor) -> list[torch.Tensor]:
-        out = self.base.get_image_features(pixel_values=pixels, return_dict=True)
-        return [rows.reshape(-1, rows.shape[-1]) for rows in out.pooler_output]
+    def _features(self, pixels: torch.Tensor, grids: list[list[int]]) -> list[torch.Tensor]:
+        extra = {"image_grid_thw": torch.tensor(grids, device=self.device)} if grids else {}
+        out = self.base.get_image_features(pixel_values=pixels, return_dict=True, **extra)
+        if self.output_class is None:
+            self.output_class = type(out)
+        deepstack = getattr(out, "deepstack_features", None) or []
+        main = [rows.reshape(-1, rows.shape[-1]) for rows in out.pooler_output]
+        return [torch.stack([rows, *(layer[i].reshape(rows.shape) for layer in deepstack)]) for i, rows in enumerate(main)]
+
+    def outputs(self, rows: list[torch.Tensor]):
+        """``mm_encoder_outputs`` for a forward whose packed row holds these image rows ([1 + deepstack
+        layers, count, hidden] each), in order: the family's own output class."""
+        rows = torch.cat(rows, dim=1)
+        fields = {"pooler_output": [rows[0]]}
+        if rows.shape[0] > 1:
+            fields["deepstack_features"] = [[layer] for layer in rows[1:]]
+        return {"image": self.output_class(**fields)}
 
     def _settle(self) -> None:
         # the encoder's units are called outside the root's forward: the root must be the root first
@@ -119,13 +146,46 @@ class ImageEncoder:
         self._settled = True
 
 
+def _blank_image(vision, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """The smallest image the encoder takes (zeros) and its grid: a square of ``image_size`` (CLIP),
+    or one merged patch's worth of patch rows (Qwen-VL: grid [1, merge, merge])."""
+    channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", 3)
+    merge = getattr(vision, "spatial_merge_size", None)
+    if merge is not None and getattr(vision, "temporal_patch_size", None) is not None:
+        patch = channels * vision.temporal_patch_size * vision.patch_size ** 2
+        return torch.zeros(merge * merge, patch, device=device), [1, merge, merge]
+    size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
+    return torch.zeros(1, channels, size, size, device=device), []
+
+
+class GridRope:
+    """A rope that places image tokens by their grid (Qwen-VL's M-RoPE): each sequence's prompt
+    positions [3, its tokens] from the model's own ``get_rope_index``, and the offset (transformers'
+    ``rope_deltas``) every later token's position adds to its index."""
+
+    def __init__(self, model: nn.Module):
+        self.base = _base(model)
+
+    @staticmethod
+    def applies(model: nn.Module) -> bool:
+        try:
+            return callable(getattr(_base(model), "get_rope_index", None))
+        except ValueError:
+            return False
+
+    @torch.no_grad()
+    def positions(self, tokens: list[int], image_grids: list[list[int]]) -> tuple[torch.Tensor, int]:
+        """([3, len(tokens)] positions, offset) of a sequence whose images are ``image_grids``
+        ([start, count, t, h, w] each, in order)."""
+        ids = torch.tensor([tokens])
+        types = torch.zeros_like(ids, dtype=torch.int)
+        for start, count, *_ in image_grids:
+            types[0, start:start + count] = 1
+        grids = torch.tensor([grid for _, _, *grid in image_grids])
+        positions, delta = self.base.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grids)
+        return positions[:, 0], int(delta.reshape(-1)[0])
+
+
 def pixel_tensor(image: ImageInput) -> torch.Tensor:
     """An :class:`ImageInput`'s pixel values as a float32 tensor of its shape."""
     return torch.frombuffer(bytearray(image.pixels), dtype=torch.float32).reshape(image.shape)
-
-
-def encoder_outputs(rows: list[torch.Tensor]):
-    """``mm_encoder_outputs`` for a forward whose packed row holds these image rows, in order."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-    return {"image": BaseModelOutputWithPooling(pooler_output=[torch.cat(rows)])}

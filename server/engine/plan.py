@@ -17,14 +17,16 @@ from server.engine.sampling import SamplingParams
 @dataclass
 class ImageInput:
     """One image of a prompt (``server.engine.multimodal``): the processor's pixel values for it
-    (float32, C order, of ``shape``), where its ``count`` placeholder tokens start in the prompt, and
-    its content's key (BLAKE2b of the pixels: the prefix cache's key for its tokens)."""
+    (float32, C order, of ``shape``), where its ``count`` placeholder tokens start in the prompt, its
+    content's key (BLAKE2b of the pixels and their shape: the prefix cache's key for its tokens), and
+    its patch grid [t, h, w] where the family has one (Qwen-VL's ``image_grid_thw``; else empty)."""
 
     key: bytes
     start: int
     count: int
     shape: list[int]
     pixels: bytes
+    grid: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -39,6 +41,9 @@ class SequenceAdd:
     blocks: list[int]
     num_generated: int = 0
     images: list[ImageInput] = field(default_factory=list)  # those with tokens beyond its cached prefix
+    # every image of its prompt as [start, count, t, h, w] where the model's rope places image tokens by
+    # their grid (server.engine.multimodal.GridRope); else empty
+    image_grids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from server.engine.capability import ATTENTION_LAYER_TYPES
 from server.engine.state import HYBRID_LAYER_TYPES, StatePool, StateShapes, install as install_state, \
     is_stateful_config, state_shapes
 from server.engine.mla import install as install_mla, is_mla, latent_geometry
-from server.engine.multimodal import ImageEncoder, encoder_outputs, takes_images
+from server.engine.multimodal import GridRope, ImageEncoder, takes_images
 from server.engine.rope import install as install_rope, sequence_lengths, token_lengths
 from server.engine.sampling import BatchSampler, Row, RowMasks
 
@@ -136,15 +136,25 @@ def _available_memory() -> int:
 
 
 class _Sequence:
-    __slots__ = ("seq_id", "tokens", "blocks", "params", "num_generated", "images")
+    __slots__ = ("seq_id", "tokens", "blocks", "params", "num_generated", "images", "rope", "rope_delta")
 
-    def __init__(self, add: SequenceAdd):
+    def __init__(self, add: SequenceAdd, grid_rope: GridRope | None = None):
         self.seq_id = add.seq_id
         self.tokens = list(add.tokens)
         self.blocks = list(add.blocks)
         self.params = add.params
         self.num_generated = add.num_generated
         self.images = [[image, None] for image in add.images]  # [ImageInput, its embeddings once encoded]
+        # a grid-placed rope's positions of its tokens [3, n] and later tokens' offset (server.engine.multimodal)
+        self.rope, self.rope_delta = None, 0
+        if grid_rope is not None and add.image_grids:
+            self.rope, self.rope_delta = grid_rope.positions(self.tokens, add.image_grids)
+
+    def rope_positions(self, start: int, count: int) -> torch.Tensor:
+        """[3, count]: the grid-placed rope's positions of tokens ``start`` .. ``start + count - 1``."""
+        end, known = start + count, 0 if self.rope is None else self.rope.shape[1]
+        later = torch.arange(max(start, known), end).add_(self.rope_delta).expand(3, -1)
+        return torch.cat([self.rope[:, start:end], later], dim=1) if start < known else later
 
     def image_rows(self, start: int, count: int) -> list[torch.Tensor]:
         """The embeddings of the image tokens among positions ``start`` .. ``start + count - 1``, in
@@ -154,7 +164,7 @@ class _Sequence:
             image, features = entry
             first, last = max(start, image.start), min(end, image.start + image.count)
             if first < last:
-                rows.append(features[first - image.start:last - image.start])
+                rows.append(features[:, first - image.start:last - image.start])
         self.images = [entry for entry in self.images if entry[0].start + entry[0].count > end]
         return rows
 
@@ -199,6 +209,7 @@ class RankEngine:
         self._direct = _direct_forward(model)  # eager forwards without FSDP2's hooks, where every unit is resident
         self._rope = install_rope(model)  # rope frequencies per sequence (dynamic NTK, longrope), or None
         self.images = ImageEncoder(model, device) if takes_images(model) else None  # server.engine.multimodal
+        self._grid_rope = GridRope(model) if self.images is not None and GridRope.applies(model) else None
         self.memory = None  # a server.group.memory.MemoryReport, reported every few seconds
         self._reported_at = 0.0
         self._trimmed_at, self._forwards_at_trim = 0.0, 0
@@ -212,7 +223,7 @@ class RankEngine:
                 self._grammar_rows.forget(seq_id)
         for add in plan.add:
             if add.rank == self.rank:
-                self.sequences[add.seq_id] = _Sequence(add)
+                self.sequences[add.seq_id] = _Sequence(add, self._grid_rope)
                 if self.states is not None:
                     self.states.add(add.seq_id)
                 self.sequences_started += 1
@@ -287,9 +298,17 @@ class RankEngine:
         keep = sample_rows + [row + i for _, row, _, count in scored for i in range(count)]
         decode_only = not scored and all(count == 1 for _, count, _ in items)
         forward = self.model
-        extra = {"mm_encoder_outputs": encoder_outputs(image_rows)} if image_rows else {}
+        extra = {"mm_encoder_outputs": self.images.outputs(image_rows)} if image_rows else {}
+        rope_positions = positions  # what the rope takes: the tokens' indices, unless a grid places them
+        placed = [self.sequences[w.seq_id] for w in work] if self._grid_rope is not None else []
+        if any(seq.rope is not None for seq in placed):
+            grid = torch.cat([seq.rope_positions(w.start, w.count) for seq, w in zip(placed, work)], dim=1)
+            if torch.equal(grid[0], grid[1]) and torch.equal(grid[0], grid[2]):
+                rope_positions = grid[0].tolist()  # no image token: one position a token, as text (compiles too)
+            else:  # the model's packed form: the tokens' indices, then the three rows
+                extra["position_ids"] = torch.cat([torch.tensor([positions]), grid])[:, None].to(self.device)
         if self.compiled is not None and not extra and (
-                self.compiled.pad(ids, positions, items, keep, self.cache.scratch_block) if decode_only
+                self.compiled.pad(ids, rope_positions, items, keep, self.cache.scratch_block) if decode_only
                 else self.compiled.takes_whole_step(len(ids))):
             # the layers' graphs at the plan's threads; the model's graph at the count it was compiled at,
             # its opaque ops at the plan's (server.engine.compiled.CompiledDecode.entry_threads)
@@ -307,15 +326,15 @@ class RankEngine:
         lengths = None
         if self._rope is not None:  # each token's own sequence's length picks its rope frequencies (server.engine.rope)
             lengths = token_lengths(rope_items)
-            if len(positions) > lengths.numel():  # a static size's padding rows (position 0)
-                lengths = torch.cat([lengths, torch.ones(len(positions) - lengths.numel(), dtype=torch.long)])
+            if len(rope_positions) > lengths.numel():  # a static size's padding rows (position 0)
+                lengths = torch.cat([lengths, torch.ones(len(rope_positions) - lengths.numel(), dtype=torch.long)])
         # FSDP2's hooks have nothing to do for resident units, and cost each unit two calls a step
         direct = self._direct if forward is self.model and self._direct is not None and self._direct.resident() else None
         hooks_out = direct() if direct is not None else contextlib.nullcontext()
+        extra.setdefault("position_ids", torch.tensor([rope_positions], device=self.device))
         with hooks_out, sequence_lengths(lengths):
             out = forward(
                 input_ids=torch.tensor([ids], device=self.device),
-                position_ids=torch.tensor([positions], device=self.device),
                 cache=self.cache,
                 use_cache=True,
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),

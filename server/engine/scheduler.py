@@ -498,8 +498,9 @@ class Scheduler:
                     self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
             self._running[handle.seq_id] = handle
             images = [image for image in handle.images if image.start + image.count > handle.num_computed]
+            grids = [[image.start, image.count, *image.grid] for image in handle.images if image.grid]
             plan.add.append(SequenceAdd(handle.seq_id, rank, list(tokens), handle.params, list(handle.blocks),
-                                        handle.num_generated, images))
+                                        handle.num_generated, images, grids))
             plan.encode = plan.encode or bool(images)
             self._plan_chunk(handle, plan, budget)
 

@@ -69,7 +69,7 @@ async def _start(state: ServerState, body: GenerateRequest) -> tuple[list[Reques
             raise InputValidationError("truncate cannot cut a prompt with images", param="truncate")
         urls = IMAGE_MARKDOWN.findall(body.inputs)
         pictures = await read_images(urls, state.media)
-        text = IMAGE_MARKDOWN.sub(lambda _: state.images.image_token, body.inputs)
+        text = IMAGE_MARKDOWN.sub(lambda _: state.images.markdown_image, body.inputs)
         prompt_ids, images = await off_loop(state.images.prompt, text, pictures, special_tokens=True)
     else:
         prompt_ids = await tokenize(state, body.inputs)
