@@ -1,11 +1,12 @@
 """Benchmark a request with one 448x448 image: the vision tower sharded against replicated, and
 transformers' ``generate``, side by side in one run; and a repeated image's time to first token.
 
-    python -m benchmarks.vision [--nproc 2] [--repeats 3] [--tokens 16] [--out FILE]
+    python -m benchmarks.vision [--family llava|qwen2_vl] [--nproc 2] [--repeats 3] [--tokens 16] [--out FILE]
 
-The model: a random-weight LLaVA (a CLIP ViT-B/14 tower at 448x448: 12 layers of 768, 1024 image
-tokens; a projector; a Llama of 8 layers of 1024), float32, written once under
-``~/.cache/hsdp-serve/bench-llava``. For each ``--mm-encoder`` mode a server of ``--nproc`` CPU
+The model (``--family``): a random-weight LLaVA (a CLIP ViT-B/14 tower at 448x448: 12 layers of
+768, 1024 image tokens; a projector; a Llama of 8 layers of 1024), or a random-weight Qwen2-VL (a
+ViT of 12 layers of 768 over 14x14 patches, 2x2 merged: 256 image tokens at 448x448; a Qwen2 of 8
+layers of 1024 with the 3-D rope), float32, written once under ``~/.cache/hsdp-serve/bench-<family>``. For each ``--mm-encoder`` mode a server of ``--nproc`` CPU
 ranks (``--resident-units 0``: each rank holds only its shards, as a model too large for one
 device would be served): per request with a new image, the time to first token and the whole
 request; then the same image again (its blocks in the prefix cache: issue 30's target is a time
@@ -25,7 +26,7 @@ import tempfile
 import time
 
 TARGET_REPEAT = 0.4
-CACHE = os.path.expanduser("~/.cache/hsdp-serve/bench-llava")
+CACHE = os.path.expanduser("~/.cache/hsdp-serve/bench-{family}")
 QUESTION = "Describe this picture in detail."
 
 
@@ -33,16 +34,19 @@ def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def write_model(path: str) -> str:
-    """The benchmark's LLaVA (random weights, the test tokenizer and processor), once."""
+def write_model(family: str) -> str:
+    """The benchmark's model of ``family`` (random weights, the test tokenizer and processor), once."""
+    path = CACHE.format(family=family)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    if family == "qwen2_vl":
+        return _write_qwen2_vl(path)
     import torch
     from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, \
         LlavaForConditionalGeneration, LlavaProcessor
 
     from tests.vision_checkpoints import CHAT_TEMPLATE, IMAGE_TOKEN, vlm_tokenizer
 
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
     tok = vlm_tokenizer()
     image_token_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
     config = LlavaConfig(
@@ -63,6 +67,42 @@ def write_model(path: str) -> str:
     tmp = path + ".tmp"
     model.save_pretrained(tmp, max_shard_size="200MB")
     processor.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def _write_qwen2_vl(path: str) -> str:
+    import torch
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from tests.checkpoints import tokenizer
+    from tests.vision_checkpoints import QWEN_CHAT_TEMPLATE, QWEN_IMAGE_TOKENS
+
+    with tempfile.TemporaryDirectory() as scratch:
+        tokenizer().save_pretrained(scratch)
+        tok = AutoTokenizer.from_pretrained(scratch)
+    tok.add_special_tokens({"additional_special_tokens": list(QWEN_IMAGE_TOKENS)})
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    token = tok.convert_tokens_to_ids
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]},
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0),
+        vision_config=dict(depth=12, embed_dim=768, hidden_size=1024, num_heads=12, mlp_ratio=4, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
+        vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    tmp = path + ".tmp"
+    model.save_pretrained(tmp, max_shard_size="200MB")
+    Qwen2VLImageProcessorPil(min_pixels=448 * 448, max_pixels=448 * 448).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    with open(os.path.join(tmp, "chat_template.jinja"), "w") as f:
+        f.write(QWEN_CHAT_TEMPLATE)
     os.replace(tmp, path)
     return path
 
@@ -116,9 +156,11 @@ def serve(model: str, mode: str, nproc: int, images: list, tokens: int, tmp: str
 
 def reference(model: str, images: list, tokens: int) -> dict:
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(model)
+    from server.api.media import load_processor
+
+    processor = load_processor(model)
     net = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -138,12 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     from tests.vision_checkpoints import make_image
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=("llava", "qwen2_vl"), default="llava")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--out", help="also write the summary JSON here")
     args = parser.parse_args(argv)
-    model = write_model(CACHE)
+    model = write_model(args.family)
     images = [make_image(100 + i, size=(448, 448)) for i in range(args.repeats + 1)]
     ref = reference(model, images, args.tokens)
     log(f"transformers generate: {ref['request_s']:.3f} s a request ({ref['threads']} threads)")
@@ -151,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         modes = {mode: serve(model, mode, args.nproc, images, args.tokens, tmp) for mode in ("shard", "replicate")}
     shard, replicate = modes["shard"], modes["replicate"]
     summary = {
-        "dtype": shard["dtype"], "nproc": args.nproc, "tokens": args.tokens, "image": "448x448 (1024 tokens)",
+        "dtype": shard["dtype"], "family": args.family, "nproc": args.nproc, "tokens": args.tokens,
+        "image": "448x448 (%d tokens)" % (1024 if args.family == "llava" else 256),
         "transformers": ref, "shard": shard, "replicate": replicate,
         "request_shard_over_replicate": shard["request_new_s"] / replicate["request_new_s"],
         "request_shard_over_transformers": shard["request_new_s"] / ref["request_s"],

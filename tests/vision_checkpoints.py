@@ -169,6 +169,46 @@ def image_data_url(image, fmt: str = "PNG") -> str:
     return f"data:image/{fmt.lower()};base64,{base64.b64encode(buf.getvalue()).decode()}"
 
 
+# LLaVA-NeXT: 28x28 tiles of an image resized to the best of these sizes, after the whole image at 28x28
+NEXT_PINPOINTS = [[28, 56], [56, 28], [56, 56]]
+NEXT_HUB_PREFIXES = {**HUB_PREFIXES, "model.image_newline": "image_newline"}
+
+
+def write_llava_next_checkpoint(path, *, seed: int = 0, max_shard_size="40KB") -> str:
+    """Save a random-weight LLaVA-NeXT (the Llava's tower, projector and text model, the image's
+    tiles at :data:`NEXT_PINPOINTS`, a learned newline after each row of tile features) under the
+    hub's tensor names, and its ``LlavaNextProcessor``. An image's tokens depend on its aspect."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    base = make_processor()
+    processor = LlavaNextProcessor(
+        image_processor=LlavaNextImageProcessorPil(
+            size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+            image_grid_pinpoints=NEXT_PINPOINTS, do_pad=True),
+        tokenizer=base.tokenizer, patch_size=PATCH_SIZE, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE, image_token=IMAGE_TOKEN,
+    )
+    llava = make_llava_config(len(base.tokenizer), base.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+    config = LlavaNextConfig(
+        vision_config=llava.vision_config, text_config=llava.text_config, image_token_id=llava.image_token_id,
+        image_grid_pinpoints=NEXT_PINPOINTS, projector_hidden_act="gelu", vision_feature_layer=-2,
+        vision_feature_select_strategy="default", tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config)
+    with torch.no_grad():
+        for linear in (model.model.multi_modal_projector.linear_1, model.model.multi_modal_projector.linear_2):
+            linear.weight.normal_(0.0, PROJECTOR_STD)
+        model.model.image_newline.normal_(0.0, 1.0)
+    state_dict = {_rename(k, NEXT_HUB_PREFIXES): v for k, v in model.state_dict().items()}
+    path = str(path)
+    model.save_pretrained(path, state_dict=state_dict, max_shard_size=max_shard_size, save_original_format=False)
+    processor.save_pretrained(path)
+    return path
+
+
 # Qwen's template: each image part a vision span whose one pad the processor repeats per merged patch.
 QWEN_IMAGE_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 QWEN_CHAT_TEMPLATE = (

@@ -12,9 +12,10 @@ and a request brings at most ``--max-images-per-request``. Each violation is a
 chat template's image placeholders, and its images become the prompt's token ids (each image's
 placeholder expanded to its tokens) and one :class:`~server.engine.plan.ImageInput` per image,
 which the engine encodes (``server.engine.multimodal``). A prompt whose placeholders do not match
-its images (a placeholder typed as text, an image without one) is a 400 too. An image of a family
-whose rope places image tokens by their grid (Qwen-VL's ``image_grid_thw``) carries its grid; its
-pixel values are the processor's patch rows for it.
+its images (a placeholder typed as text, an image without one) is a 400 too. An image carries its
+geometry where the family's encoder takes one (:data:`IMAGE_GEOMETRY`: Qwen-VL's patch grid, whose
+pixel values are the processor's patch rows for it; LLaVA-NeXT's original size, whose pixel values
+are its tiles).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ import urllib.parse
 from dataclasses import dataclass
 
 from server.http.errors import MediaError
+
+IMAGE_GEOMETRY = ("image_grid_thw", "image_sizes")
+"""The processor's outputs that give each image's geometry to the encoder (``ImageInput.grid``):
+Qwen-VL's patch grid, LLaVA-NeXT's original size."""
 
 IMAGE_MARKDOWN = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
 """TGI's image syntax in ``inputs``: ``![](url)``."""
@@ -238,10 +243,11 @@ class ImagePrompts:
             raise MediaError(f"the processor made {len(positions)} image tokens for {len(images)} images "
                              f"({sum(counts)} expected)", param="messages")
         pixels = out["pixel_values"].float().contiguous()
-        grids = out["image_grid_thw"].tolist() if "image_grid_thw" in out else [[] for _ in images]
-        if grids[0]:  # patch rows, each image's t*h*w of them in turn
+        key = next((k for k in IMAGE_GEOMETRY if k in out), None)
+        grids = out[key].tolist() if key else [[] for _ in images]
+        if pixels.dim() == 2:  # patch rows, each image's t*h*w of them in turn (Qwen-VL)
             pixels = pixels.split([t * h * w for t, h, w in grids])
-        else:
+        else:  # one entry an image (LLaVA-NeXT's: its tiles)
             pixels = [pixel.unsqueeze(0) for pixel in pixels]
         inputs, at = [], 0
         for pixel, grid, count in zip(pixels, grids, counts):

@@ -36,16 +36,21 @@ loaded model does; nothing here knows HTTP or the processor.
 from __future__ import annotations
 
 import hashlib
+import inspect
 
 import torch
 from torch import nn
 
 from server.engine.plan import ImageInput
 
-SERVED_IMAGE_TEXT_MODEL_TYPES = frozenset({"llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+SERVED_IMAGE_TEXT_MODEL_TYPES = frozenset({"llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
 """Image-text families whose image tokens the engine computes exactly (``model_type``): their
-attention over an image's tokens is causal, and their rope one position per token (Llava) or
-placed by the image's grid (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: :class:`GridRope`)."""
+attention over an image's tokens is causal, their tokens one run an image, and their rope one
+position per token (LLaVA, LLaVA-NeXT) or placed by the image's grid (Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL: :class:`GridRope`)."""
+
+GEOMETRY_ARGUMENTS = ("image_grid_thw", "image_sizes")
+"""``get_image_features``' argument for the images' geometry (``ImageInput.grid``), where it takes one."""
 
 
 def image_key(pixels: bytes, shape: list[int]) -> bytes:
@@ -95,7 +100,9 @@ class ImageEncoder:
         self.base = _base(model)
         self.sharded = any(is_unit(m) for name in encoder_module_names(model)
                            for m in model.get_submodule(name).modules())
-        self.blank, self.blank_grid = _blank_image(model.config.vision_config, device)
+        parameters = inspect.signature(self.base.get_image_features).parameters
+        self.geometry = next((name for name in GEOMETRY_ARGUMENTS if name in parameters), None)
+        self.blank, self.blank_grid = _blank_image(model.config, device)
         self.output_class = None  # what get_image_features returns (BaseModelOutputWithPooling or a subclass)
         self._settled = False
 
@@ -109,24 +116,28 @@ class ImageEncoder:
             self._settle()
         if not images:
             if self.sharded:  # the other ranks' encoder units gather: match them
-                self._features(self.blank, [self.blank_grid] if self.blank_grid else [])
+                self._features(self.blank, [self.blank_grid] if self.blank_grid else [], None)
             return []
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # the idle ranks' cores, as the step's forward (server.engine.cores)
-        pixels = torch.cat([pixel_tensor(image) for image in images]).to(self.device)
-        features = self._features(pixels, [image.grid for image in images if image.grid])
+        pixels = _stack([pixel_tensor(image) for image in images]).to(self.device)
+        features = self._features(pixels, [image.grid for image in images if image.grid],
+                                  [image.count for image in images])
         for image, rows in zip(images, features):
             if rows.shape[1] != image.count:
                 raise ValueError(f"an image encoded to {rows.shape[1]} embeddings for {image.count} placeholders")
         return features
 
-    def _features(self, pixels: torch.Tensor, grids: list[list[int]]) -> list[torch.Tensor]:
-        extra = {"image_grid_thw": torch.tensor(grids, device=self.device)} if grids else {}
+    def _features(self, pixels: torch.Tensor, grids: list[list[int]], counts: list[int] | None) -> list[torch.Tensor]:
+        extra = {self.geometry: torch.tensor(grids, device=self.device)} if grids else {}
         out = self.base.get_image_features(pixel_values=pixels, return_dict=True, **extra)
         if self.output_class is None:
             self.output_class = type(out)
         deepstack = getattr(out, "deepstack_features", None) or []
-        main = [rows.reshape(-1, rows.shape[-1]) for rows in out.pooler_output]
+        main = out.pooler_output
+        if isinstance(main, torch.Tensor) and counts is not None:  # LLaVA-NeXT's: every image's rows, packed
+            main = main.reshape(-1, main.shape[-1]).split(counts)
+        main = [rows.reshape(-1, rows.shape[-1]) for rows in main]
         return [torch.stack([rows, *(layer[i].reshape(rows.shape) for layer in deepstack)]) for i, rows in enumerate(main)]
 
     def outputs(self, rows: list[torch.Tensor]):
@@ -146,16 +157,34 @@ class ImageEncoder:
         self._settled = True
 
 
-def _blank_image(vision, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-    """The smallest image the encoder takes (zeros) and its grid: a square of ``image_size`` (CLIP),
-    or one merged patch's worth of patch rows (Qwen-VL: grid [1, merge, merge])."""
+def _blank_image(config, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """The smallest image the encoder takes (zeros) and its geometry: a square of ``image_size``
+    (CLIP), its tiles with its size (LLaVA-NeXT), or one merged patch's worth of patch rows
+    (Qwen-VL: grid [1, merge, merge])."""
+    vision = config.vision_config
     channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", 3)
     merge = getattr(vision, "spatial_merge_size", None)
     if merge is not None and getattr(vision, "temporal_patch_size", None) is not None:
         patch = channels * vision.temporal_patch_size * vision.patch_size ** 2
         return torch.zeros(merge * merge, patch, device=device), [1, merge, merge]
     size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
+    pinpoints = getattr(config, "image_grid_pinpoints", None)
+    if pinpoints:
+        from transformers.image_processing_utils import select_best_resolution
+
+        height, width = select_best_resolution((size, size), pinpoints)
+        tiles = 1 + (height // size) * (width // size)  # the whole image, then its tiles
+        return torch.zeros(1, tiles, channels, size, size, device=device), [size, size]
     return torch.zeros(1, channels, size, size, device=device), []
+
+
+def _stack(pixels: list[torch.Tensor]) -> torch.Tensor:
+    """Images' pixel values in one batch along dim 0, each zero-padded to the most tiles among them
+    (LLaVA-NeXT's encoder drops each image's padding tiles by its size)."""
+    if pixels[0].dim() == 5 and len({p.shape[1] for p in pixels}) > 1:
+        most = max(p.shape[1] for p in pixels)
+        pixels = [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in pixels]
+    return torch.cat(pixels)
 
 
 class GridRope:

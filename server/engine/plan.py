@@ -19,7 +19,8 @@ class ImageInput:
     """One image of a prompt (``server.engine.multimodal``): the processor's pixel values for it
     (float32, C order, of ``shape``), where its ``count`` placeholder tokens start in the prompt, its
     content's key (BLAKE2b of the pixels and their shape: the prefix cache's key for its tokens), and
-    its patch grid [t, h, w] where the family has one (Qwen-VL's ``image_grid_thw``; else empty)."""
+    its geometry where the family's encoder takes one (Qwen-VL's patch grid [t, h, w], LLaVA-NeXT's
+    original size [h, w]; else empty)."""
 
     key: bytes
     start: int

@@ -1,0 +1,112 @@
+"""LLaVA-NeXT images (``server.engine.multimodal``): an image as its whole at 28x28 and its tiles at
+the best of the model's resolutions, a learned newline after each row of tile features, so that an
+image's tokens depend on its aspect. A tiny random LLaVA-NeXT (hub tensor names) on 2 ranks with its
+tower sharded: greedy tokens and their log-probabilities equal transformers' ``generate`` for wide,
+tall and square images, two images of different tile counts in one prompt, and two requests whose
+images have different tile counts encoded in one step (padded to the most tiles, each dropped by its
+size), and a prefix hit on a repeated image."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+
+from tests.server_process import ServerProcess
+from tests.vision_checkpoints import image_data_url, make_image, reference_vlm_logprobs, write_llava_next_checkpoint
+
+TOKENS = 8
+QUESTION = "What is this?"
+WIDE, TALL, SQUARE = (60, 30), (30, 60), (50, 50)
+
+
+def _parts(*images) -> list[dict]:
+    return [*({"type": "image_url", "image_url": {"url": image_data_url(i)}} for i in images),
+            {"type": "text", "text": QUESTION}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llava-next")
+    path = write_llava_next_checkpoint(root / "llava-next")
+    server = ServerProcess(path, extra_args=("--kv-cache-memory", "8MiB", "--kv-block-size", "4"),
+                           log_path=root / "server.log")
+    server.path = path
+    with server:
+        yield server
+
+
+def _answer(server, content) -> tuple[list[str], list[float]]:
+    r = server.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": content}], "max_tokens": TOKENS, "temperature": 0,
+        "logprobs": True})
+    assert r.status_code == 200, r.text
+    entries = r.json()["choices"][0]["logprobs"]["content"]
+    return [e["token"] for e in entries], [e["logprob"] for e in entries]
+
+
+def _check(server, images, got):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": [*({"type": "image"} for _ in images),
+                                             {"type": "text", "text": QUESTION}]}]
+    ids, logprobs = reference_vlm_logprobs(server.path, messages, images, TOKENS)
+    tok = AutoTokenizer.from_pretrained(server.path)
+    assert got[0] == [tok.decode([i]) for i in ids]
+    assert max(abs(a - b) for a, b in zip(got[1], logprobs)) < 1e-4, (got[1], logprobs)
+
+
+@pytest.mark.parametrize("size", [WIDE, TALL, SQUARE], ids=["wide", "tall", "square"])
+def test_one_image_of_each_aspect(served, size):
+    image = make_image(1, size)
+    _check(served, [image], _answer(served, _parts(image)))
+
+
+def test_two_images_of_different_tile_counts(served):
+    a, b = make_image(2, WIDE), make_image(3, SQUARE)
+    _check(served, [a, b], _answer(served, _parts(a, b)))
+
+
+def test_two_requests_encoded_in_one_step(served):
+    images = [make_image(4, WIDE), make_image(5, SQUARE)]
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _answer(served, _parts(images[i]))))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, image in enumerate(images):
+        _check(served, [image], results[i])
+
+
+def test_repeated_image_hits_the_prefix_cache(served):
+    def hits():
+        text = served.client.get("/metrics").text
+        return float(re.search(r"^hsdp_prefix_cache_hit_tokens_total (\S+)$", text, re.M).group(1))
+
+    image = make_image(6, SQUARE)
+    first = _answer(served, _parts(image))
+    before = hits()
+    assert _answer(served, _parts(image)) == first
+    assert hits() - before >= 20  # the image's tokens (4 whole-image features, then 2x2 tiles' with newlines)
+
+
+def test_images_of_different_tile_counts_encode_together_as_alone(tmp_path):
+    """One rank's images of one step go through the encoder at once, padded to the most tiles."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from server.api.media import ImagePrompts
+    from server.engine.multimodal import ImageEncoder
+
+    path = write_llava_next_checkpoint(tmp_path / "llava-next")
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = ImagePrompts.load(path, AutoConfig.from_pretrained(path))
+    inputs = [prompts.prompt("USER: <image>\nASSISTANT:", [make_image(7, size)])[1][0] for size in (WIDE, SQUARE)]
+    assert inputs[0].shape[1] != inputs[1].shape[1]  # 3 and 5 tiles
+    encoder = ImageEncoder(model, torch.device("cpu"))
+    together = encoder.encode(inputs)
+    for image, rows in zip(inputs, together):
+        torch.testing.assert_close(rows, encoder.encode([image])[0], rtol=1e-5, atol=1e-6)
