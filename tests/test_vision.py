@@ -214,5 +214,5 @@ def test_other_image_text_families_are_refused_before_loading():
 
     from server.engine.capability import UnsupportedModelError, check_servable
 
-    with pytest.raises(UnsupportedModelError, match="image-text families served are llava, llava_next, qwen2_5_vl, qwen2_vl, qwen3_vl"):
+    with pytest.raises(UnsupportedModelError, match="image-text families served are gemma3, llava, llava_next, qwen2_5_vl, qwen2_vl, qwen3_vl"):
         check_servable(Idefics3Config())

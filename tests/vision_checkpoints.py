@@ -209,6 +209,44 @@ def write_llava_next_checkpoint(path, *, seed: int = 0, max_shard_size="40KB") -
     return path
 
 
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
+
+def write_gemma3_checkpoint(path, *, seed: int = 0, max_shard_size="40KB") -> str:
+    """Save a random-weight Gemma 3 (a 2-layer SigLIP tower over 56x56 images in 14x14 patches,
+    pooled to 4 image tokens; a 4-layer text model whose layers alternate a sliding window of 8 and
+    full attention) and its ``Gemma3Processor``: the template's ``<start_of_image>`` becomes
+    ``<start_of_image>`` + 4 ``<image_soft_token>`` + ``<end_of_image>``, and the model attends over
+    an image's 4 tokens both ways."""
+    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer().save_pretrained(tmp)
+        tok = AutoTokenizer.from_pretrained(tmp, extra_special_tokens=GEMMA3_TOKENS)
+    template = CHAT_TEMPLATE.replace("'<image>'", "'<start_of_image>'")
+    tok.chat_template = template
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 56, "width": 56}),
+                                tokenizer=tok, chat_template=template, image_seq_length=4)
+    config = Gemma3Config(
+        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=256,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=56, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=tok.image_token_id, boi_token_index=tok.boi_token_id,
+        eoi_token_index=tok.convert_tokens_to_ids(GEMMA3_TOKENS["eoi_token"]))
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # image features that outweigh the text's
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, PROJECTOR_STD * 4)
+    path = str(path)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    processor.save_pretrained(path)
+    return path
+
+
 # Qwen's template: each image part a vision span whose one pad the processor repeats per merged patch.
 QWEN_IMAGE_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 QWEN_CHAT_TEMPLATE = (

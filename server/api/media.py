@@ -204,7 +204,10 @@ class ImagePrompts:
 
     def __init__(self, processor, image_token_id: int, span: tuple[int, int] | None = None):
         self.processor, self.image_token_id = processor, image_token_id
-        self.image_token = processor.tokenizer.convert_ids_to_tokens(image_token_id)
+        # what stands for an image in a prompt's text: the processor's placeholder, which it expands into
+        # image tokens (Gemma 3's <start_of_image> into <image_soft_token>s; elsewhere the token itself)
+        self.image_token = getattr(processor, "image_token", None) or \
+            processor.tokenizer.convert_ids_to_tokens(image_token_id)
         # what an image in a raw prompt (TGI's ![](url)) becomes: the placeholder, inside the family's
         # vision span where it has one (Qwen-VL's <|vision_start|>...<|vision_end|>), as its template writes it
         self.markdown_image = self.image_token
@@ -262,5 +265,5 @@ class ImagePrompts:
     def check_text_only(self, ids: list[int], param: str) -> None:
         """A prompt without images must hold no image token (it would take an image's place)."""
         if self.image_token_id in ids:
-            raise MediaError(f"the prompt holds the image placeholder {self.image_token} but brings no image",
-                             param=param)
+            token = self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
+            raise MediaError(f"the prompt holds the image placeholder token {token} but brings no image", param=param)

@@ -128,9 +128,12 @@ class PagedLayout:
 
     @classmethod
     def build(cls, items: list[tuple[int, int, list[int]]], block_size: int, device,
-              state_slots: list[int] | None = None) -> PagedLayout:
+              state_slots: list[int] | None = None, image_spans: list[list[tuple[int, int]]] | None = None
+              ) -> PagedLayout:
         """``items``: per sequence in row order, (first position computed, tokens computed, its
-        block table); ``state_slots``: each one's state slot, for a stateful model."""
+        block table); ``state_slots``: each one's state slot, for a stateful model; ``image_spans``:
+        each one's images [start, end) among its computed tokens whose tokens attend to one another
+        both ways (Gemma 3; ``server.engine.multimodal``), each wholly within its context."""
         slots, decode_rows, decode_ctx, decode_tables, prefill = [], [], [], [], []
         decode_state, decode_previous, chunk_state = [], [], []
         row = 0
@@ -147,7 +150,8 @@ class PagedLayout:
                     decode_previous.append(start > 0)
             else:
                 read_slots = _slots_at(table, torch.arange(context), block_size)
-                prefill.append(_Chunk(row, start, count, read_slots.to(device), device))
+                prefill.append(_Chunk(row, start, count, read_slots.to(device), device,
+                                      image_spans[i] if image_spans else None))
                 if state_slots is not None:
                     chunk_state.append(torch.tensor([state_slots[i]], device=device))
             row += count
@@ -188,14 +192,22 @@ class _DecodeGroup:
 class _Chunk:
     __slots__ = ("row", "count", "slots_L", "mask_QL", "q_pos", "k_pos")
 
-    def __init__(self, row: int, start: int, count: int, slots_L: torch.Tensor, device):
+    def __init__(self, row: int, start: int, count: int, slots_L: torch.Tensor, device,
+                 image_spans: list[tuple[int, int]] | None = None):
         self.row, self.count, self.slots_L = row, count, slots_L
         self.q_pos = torch.arange(start, start + count, device=device)
         self.k_pos = torch.arange(slots_L.numel(), device=device)
         self.mask_QL = self.k_pos[None, :] <= self.q_pos[:, None]
+        for first, end in image_spans or ():  # an image's tokens see the whole image
+            if end > slots_L.numel():
+                raise ValueError(f"an image's tokens {first}..{end - 1} reach past the chunk's context")
+            inside_Q = (self.q_pos >= first) & (self.q_pos < end)
+            inside_L = (self.k_pos >= first) & (self.k_pos < end)
+            self.mask_QL = self.mask_QL | (inside_Q[:, None] & inside_L[None, :])
 
     def mask(self, window: int | None) -> torch.Tensor:
-        """[Q, L]: causal, and within ``window`` positions where the layer has one."""
+        """[Q, L]: causal (and both ways within an image whose tokens do so), and within ``window``
+        positions where the layer has one."""
         if window is None:
             return self.mask_QL
         return self.mask_QL & (self.k_pos[None, :] > (self.q_pos - window)[:, None])

@@ -14,10 +14,15 @@ compute is not yet done). The features stay with
 the sequence until its image's last token is computed; each forward passes the rows its chunks
 need, in order, as transformers' ``mm_encoder_outputs`` (:meth:`ImageEncoder.outputs`), which the model
 scatters into its placeholders' embeddings exactly as its own ``generate`` does with the pixels.
-A chunk may end inside an image: the served families attend over an image's tokens causally, as
-over text, so splitting one changes nothing.
+A chunk may end inside an image where the family attends over an image's tokens causally, as over
+text (LLaVA, LLaVA-NeXT, Qwen-VL): splitting one changes nothing. Gemma 3 attends over an image's
+tokens both ways (each sees the whole image, on top of the causal mask and within a sliding
+layer's window): its scheduler never ends a chunk inside an image (``Scheduler.whole_images``), and
+each prefill chunk's mask opens the spans of the images its queries lie in
+(``PagedLayout.build``'s ``image_spans``). A prefix hit may still end inside an image: the cached
+keys were computed over the same whole image.
 
-Qwen2-VL and Qwen2.5-VL place an image's tokens in their 3-D rope by the image's patch grid
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL place an image's tokens in their 3-D rope by the image's patch grid
 (temporal, height, width), and every later token one past the image's largest position, so that a
 sequence's positions are not its token indices (:class:`GridRope`). Each such sequence brings every
 image's span and grid (``SequenceAdd.image_grids``, cached images too); the rank computes its
@@ -28,7 +33,7 @@ only where some row is an image's; otherwise the shifted 1-D positions, as its t
 The prefix cache keys an image's placeholders by the image's content (:func:`image_keyed_tokens`):
 two prompts with the same text and image share blocks; another image never matches.
 
-Contract: :data:`SERVED_IMAGE_TEXT_MODEL_TYPES` the families served with images
+Contract: :data:`IMAGE_FAMILIES` the families served with images and what each needs
 (``server.engine.capability`` refuses the other image-text families); :func:`takes_images` whether a
 loaded model does; nothing here knows HTTP or the processor.
 """
@@ -37,17 +42,41 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from server.engine.plan import ImageInput
 
-SERVED_IMAGE_TEXT_MODEL_TYPES = frozenset({"llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
-"""Image-text families whose image tokens the engine computes exactly (``model_type``): their
-attention over an image's tokens is causal, their tokens one run an image, and their rope one
-position per token (LLaVA, LLaVA-NeXT) or placed by the image's grid (Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL: :class:`GridRope`)."""
+@dataclass(frozen=True)
+class ImageFamily:
+    """What the engine does differently for an image-text family."""
+
+    bidirectional: bool = False  # its attention over an image's tokens goes both ways: a chunk holds an image whole
+    tensor_features: bool = False  # its forward takes mm_encoder_outputs' features as one tensor, not a list
+
+
+IMAGE_FAMILIES = {
+    "llava": ImageFamily(),
+    "llava_next": ImageFamily(),
+    "qwen2_vl": ImageFamily(),
+    "qwen2_5_vl": ImageFamily(),
+    "qwen3_vl": ImageFamily(),
+    "gemma3": ImageFamily(bidirectional=True, tensor_features=True),
+}
+"""Image-text families whose image tokens the engine computes exactly (``model_type``): their tokens
+one run an image; their attention over an image's tokens causal (LLaVA, LLaVA-NeXT, Qwen-VL) or both
+ways (Gemma 3); their rope one position per token or placed by the image's grid (Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL: :class:`GridRope`)."""
+
+SERVED_IMAGE_TEXT_MODEL_TYPES = frozenset(IMAGE_FAMILIES)
+
+
+def image_family(config) -> ImageFamily | None:
+    """The family of a model's ``config`` served with images, or None."""
+    return IMAGE_FAMILIES.get(getattr(config, "model_type", None))
+
 
 GEOMETRY_ARGUMENTS = ("image_grid_thw", "image_sizes")
 """``get_image_features``' argument for the images' geometry (``ImageInput.grid``), where it takes one."""
@@ -104,6 +133,7 @@ class ImageEncoder:
         self.geometry = next((name for name in GEOMETRY_ARGUMENTS if name in parameters), None)
         self.blank, self.blank_grid = _blank_image(model.config, device)
         self.output_class = None  # what get_image_features returns (BaseModelOutputWithPooling or a subclass)
+        self.family = image_family(model.config)
         self._settled = False
 
     @torch.no_grad()
@@ -144,7 +174,7 @@ class ImageEncoder:
         """``mm_encoder_outputs`` for a forward whose packed row holds these image rows ([1 + deepstack
         layers, count, hidden] each), in order: the family's own output class."""
         rows = torch.cat(rows, dim=1)
-        fields = {"pooler_output": [rows[0]]}
+        fields = {"pooler_output": rows[0] if self.family.tensor_features else [rows[0]]}
         if rows.shape[0] > 1:
             fields["deepstack_features"] = [[layer] for layer in rows[1:]]
         return {"image": self.output_class(**fields)}

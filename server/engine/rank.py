@@ -156,6 +156,19 @@ class _Sequence:
         later = torch.arange(max(start, known), end).add_(self.rope_delta).expand(3, -1)
         return torch.cat([self.rope[:, start:end], later], dim=1) if start < known else later
 
+    def image_spans(self, start: int, count: int) -> list[tuple[int, int]]:
+        """[start, end) of each image among positions ``start`` .. ``start + count - 1``: whole
+        within them from where they start (a chunk never ends inside an image whose tokens see one
+        another: ``Scheduler.whole_images``)."""
+        spans, end = [], start + count
+        for image, _ in self.images:
+            first, last = image.start, image.start + image.count
+            if first < end and last > start:
+                if last > end:
+                    raise ValueError(f"a chunk ends at {end} inside an image at {first}..{last - 1}")
+                spans.append((first, last))
+        return spans
+
     def image_rows(self, start: int, count: int) -> list[torch.Tensor]:
         """The embeddings of the image tokens among positions ``start`` .. ``start + count - 1``, in
         order; an image whose last token is among them is let go."""
@@ -210,6 +223,7 @@ class RankEngine:
         self._rope = install_rope(model)  # rope frequencies per sequence (dynamic NTK, longrope), or None
         self.images = ImageEncoder(model, device) if takes_images(model) else None  # server.engine.multimodal
         self._grid_rope = GridRope(model) if self.images is not None and GridRope.applies(model) else None
+        self._both_ways = self.images is not None and self.images.family.bidirectional
         self.memory = None  # a server.group.memory.MemoryReport, reported every few seconds
         self._reported_at = 0.0
         self._trimmed_at, self._forwards_at_trim = 0.0, 0
@@ -275,8 +289,11 @@ class RankEngine:
         ids, positions, items, sample_rows, sampling, rope_items = [], [], [], [], [], []
         scored = []  # (seq, first row, first position, count): prompt positions whose next token is scored
         image_rows = []  # the embeddings of the image tokens among them, in order (server.engine.multimodal)
+        image_spans = [] if self._both_ways else None  # per item: its images whose tokens see one another
         for w in work:
             seq = self.sequences[w.seq_id]
+            if image_spans is not None:
+                image_spans.append(seq.image_spans(w.start, w.count))
             if seq.images:
                 image_rows += seq.image_rows(w.start, w.count)
             seq.blocks += w.new_blocks
@@ -321,7 +338,8 @@ class RankEngine:
             for w in work:
                 self.states.starts(w.seq_id, w.start)
             state_slots = [self.states.slot_of[w.seq_id] for w in work]
-        layout = PagedLayout.build(items, self.block_size, self.device, state_slots)
+        layout = PagedLayout.build(items, self.block_size, self.device, state_slots,
+                                   image_spans if image_spans and any(image_spans) else None)
         self.cache.layout = layout
         lengths = None
         if self._rope is not None:  # each token's own sequence's length picks its rope frequencies (server.engine.rope)

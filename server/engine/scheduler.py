@@ -138,6 +138,7 @@ class Scheduler:
         rank_ids: list[int] | None = None,
         cores=None,
         rope=None,
+        whole_images: bool = False,
     ):
         self.pools = pools
         self.world_size = len(pools)
@@ -159,6 +160,8 @@ class Scheduler:
         self.metrics = metrics
         self.cores = cores  # a server.engine.cores.HostCores shared by the step groups, or None
         self.rope = rope  # the model's server.engine.rope.RopeSwitch (length-dependent rope), or None
+        # a chunk never ends inside an image: the model attends over an image's tokens both ways (Gemma 3)
+        self.whole_images = whole_images
         self._open = 0  # requests submitted and not yet finished or cancelled
         self._open_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
@@ -455,6 +458,8 @@ class Scheduler:
         count = min(len(handle.tokens) - handle.num_computed, budget[handle.rank])
         if count <= 0:
             return
+        if self.whole_images and handle.images:
+            count = _whole_images(handle.images, handle.num_computed, count)
         budget[handle.rank] -= count
         plan.work.setdefault(handle.rank, []).append(Work(handle.seq_id, handle.num_computed, count))
         handle.num_computed += count
@@ -653,3 +658,16 @@ def choose_seed(params: SamplingParams) -> SamplingParams:
     if params.samples and params.seed is None:
         params.seed = random.randrange(2**63)
     return params
+
+
+def _whole_images(images: list, start: int, count: int) -> int:
+    """A chunk of ``count`` tokens from ``start`` cut before an image it would end inside, or, where
+    it starts inside that image or at it, stretched to the image's end (beyond the step's budget:
+    an image is never split)."""
+    end = start + count
+    for image in images:
+        first, last = image.start, image.start + image.count
+        if first < end < last:
+            end = first if first > start else last
+            break
+    return end - start

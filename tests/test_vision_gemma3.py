@@ -1,0 +1,119 @@
+"""Gemma 3 images (``server.engine.multimodal``): an image's tokens attend to one another both ways,
+inside a causal text, on sliding-window and full layers. A tiny random Gemma 3 on 2 ranks with its
+tower sharded, every prompt cut into chunks of at most 5 tokens (``--max-batch-prefill-tokens 5``),
+so that the scheduler must cut a chunk before an image or stretch it over one: greedy tokens and
+their log-probabilities equal transformers' ``generate`` (the test model's image tokens seeing
+only their past would move them by ~3e-3), for one and two images, an image request beside a
+text-only one, a repeated image (a prefix hit), and TGI's ``![](url)``."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+
+from tests.server_process import ServerProcess
+from tests.vision_checkpoints import image_data_url, make_image, reference_prompt_generate, \
+    reference_vlm_logprobs, write_gemma3_checkpoint
+
+TOKENS = 8
+QUESTION = "What is this?"
+
+
+def _parts(*images) -> list[dict]:
+    return [*({"type": "image_url", "image_url": {"url": image_data_url(i)}} for i in images),
+            {"type": "text", "text": QUESTION}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma3")
+    path = write_gemma3_checkpoint(root / "gemma3")
+    server = ServerProcess(path, extra_args=("--kv-cache-memory", "8MiB", "--kv-block-size", "4",
+                                             "--max-batch-prefill-tokens", "5"), log_path=root / "server.log")
+    server.path = path
+    with server:
+        yield server
+
+
+def _answer(server, content) -> tuple[list[str], list[float]]:
+    r = server.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": content}], "max_tokens": TOKENS, "temperature": 0,
+        "logprobs": True})
+    assert r.status_code == 200, r.text
+    entries = r.json()["choices"][0]["logprobs"]["content"]
+    return [e["token"] for e in entries], [e["logprob"] for e in entries]
+
+
+def _check(server, images, got, content=None):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": content if content is not None else
+                 [*({"type": "image"} for _ in images), {"type": "text", "text": QUESTION}]}]
+    ids, logprobs = reference_vlm_logprobs(server.path, messages, images, TOKENS)
+    tok = AutoTokenizer.from_pretrained(server.path)
+    assert got[0] == [tok.decode([i]) for i in ids]
+    assert max(abs(a - b) for a, b in zip(got[1], logprobs)) < 1e-4, (got[1], logprobs)
+
+
+def test_one_image(served):
+    image = make_image(1)
+    _check(served, [image], _answer(served, _parts(image)))
+
+
+def test_two_images(served):
+    a, b = make_image(2), make_image(3, size=(80, 40))
+    for pair in ((a, b), (b, a)):
+        _check(served, list(pair), _answer(served, _parts(*pair)))
+
+
+def test_image_request_beside_a_text_only_one(served):
+    image = make_image(4)
+    results = {}
+    threads = [threading.Thread(target=lambda: results.__setitem__("image", _answer(served, _parts(image)))),
+               threading.Thread(target=lambda: results.__setitem__("text", _answer(served, "The quick brown fox")))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    _check(served, [image], results["image"])
+    _check(served, [], results["text"], content="The quick brown fox")
+
+
+def test_repeated_image_hits_the_prefix_cache(served):
+    def hits():
+        text = served.client.get("/metrics").text
+        return float(re.search(r"^hsdp_prefix_cache_hit_tokens_total (\S+)$", text, re.M).group(1))
+
+    image = make_image(5)
+    first = _answer(served, _parts(image))
+    before = hits()
+    second = _answer(served, _parts(image))
+    assert hits() - before >= 16  # past the image's 4 tokens
+    assert second[0] == first[0] and max(abs(a - b) for a, b in zip(first[1], second[1])) < 1e-4
+    _check(served, [image], second)
+
+
+def test_tgi_markdown_image(served):
+    image = make_image(6)
+    want = reference_prompt_generate(served.path, "USER: <start_of_image> Describe it.\nASSISTANT:", [image], TOKENS)
+    r = served.client.post("/generate", json={"inputs": "USER: ![](" + image_data_url(image) + ") Describe it.\nASSISTANT:",
+                                              "parameters": {"max_new_tokens": TOKENS, "details": True}})
+    assert r.status_code == 200, r.text
+    assert [t["id"] for t in r.json()["details"]["tokens"]] == want
+
+
+def test_chunks_hold_whole_images():
+    """The scheduler cuts a chunk before an image it would end inside, or stretches it over one it starts in."""
+    from types import SimpleNamespace
+
+    from server.engine.scheduler import _whole_images
+
+    images = [SimpleNamespace(start=8, count=4), SimpleNamespace(start=20, count=6)]
+    assert _whole_images(images, 0, 5) == 5  # before any image
+    assert _whole_images(images, 5, 5) == 3  # would end at 10, inside 8..11: cut at 8
+    assert _whole_images(images, 8, 2) == 4  # starts at the image: stretched to its end
+    assert _whole_images(images, 9, 1) == 3  # starts inside it (a prefix hit): to its end
+    assert _whole_images(images, 12, 10) == 8  # would end at 22, inside 20..25: cut at 20
+    assert _whole_images(images, 12, 14) == 14  # ends at 26, past both
