@@ -163,7 +163,8 @@ def reference(model: str, images: list, tokens: int) -> dict:
     processor = load_processor(model)
     net = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = processor.tokenizer.apply_chat_template(messages, chat_template=processor.chat_template,
+                                                     add_generation_prompt=True, tokenize=False)
     times, text = [], None
     for image in images:
         inputs = processor(text=prompt, images=[image], return_tensors="pt")

@@ -230,6 +230,28 @@ def test_a_nan_logprob_is_null_not_a_500():
     assert body == {"a": [1.0, None, {"b": None}], "c": "x"}
 
 
+def test_an_unexpected_exception_is_the_apis_json_500():
+    """A bug in a handler answers each API's JSON error envelope, never Starlette's plain text."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from server.http.errors import register_error_handlers
+
+    app = FastAPI()
+    register_error_handlers(app)
+
+    @app.get("/v1/boom")
+    @app.get("/boom")
+    def boom():
+        raise AttributeError("a bug")
+
+    client = TestClient(app, raise_server_exceptions=False)
+    r = client.get("/v1/boom")
+    assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: AttributeError: a bug"
+    r = client.get("/boom")
+    assert r.status_code == 500 and r.json() == {"error": "internal error: AttributeError: a bug", "error_type": "internal"}
+
+
 def test_a_full_shared_memory_is_a_named_error_not_sigbus(tmp_path, monkeypatch):
     import errno
     import os

@@ -210,9 +210,9 @@ def test_other_meshes_and_a_replicated_encoder(llava, nproc, args):
 
 
 def test_other_image_text_families_are_refused_before_loading():
-    from transformers import Idefics3Config
+    from transformers import LlavaOnevisionConfig
 
     from server.engine.capability import UnsupportedModelError, check_servable
 
-    with pytest.raises(UnsupportedModelError, match="image-text families served are gemma3, llava, llava_next, qwen2_5_vl, qwen2_vl, qwen3_vl"):
-        check_servable(Idefics3Config())
+    with pytest.raises(UnsupportedModelError, match="image-text families served are gemma3, idefics3, llava, llava_next, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm"):
+        check_servable(LlavaOnevisionConfig())

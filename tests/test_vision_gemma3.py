@@ -106,11 +106,10 @@ def test_tgi_markdown_image(served):
 
 def test_chunks_hold_whole_images():
     """The scheduler cuts a chunk before an image it would end inside, or stretches it over one it starts in."""
-    from types import SimpleNamespace
-
+    from server.engine.plan import ImageInput
     from server.engine.scheduler import _whole_images
 
-    images = [SimpleNamespace(start=8, count=4), SimpleNamespace(start=20, count=6)]
+    images = [ImageInput(b"", 8, 4, [], b""), ImageInput(b"", 20, 6, [], b"")]
     assert _whole_images(images, 0, 5) == 5  # before any image
     assert _whole_images(images, 5, 5) == 3  # would end at 10, inside 8..11: cut at 8
     assert _whole_images(images, 8, 2) == 4  # starts at the image: stretched to its end

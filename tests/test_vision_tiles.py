@@ -1,10 +1,18 @@
-"""LLaVA-NeXT images (``server.engine.multimodal``): an image as its whole at 28x28 and its tiles at
-the best of the model's resolutions, a learned newline after each row of tile features, so that an
-image's tokens depend on its aspect. A tiny random LLaVA-NeXT (hub tensor names) on 2 ranks with its
-tower sharded: greedy tokens and their log-probabilities equal transformers' ``generate`` for wide,
-tall and square images, two images of different tile counts in one prompt, and two requests whose
-images have different tile counts encoded in one step (padded to the most tiles, each dropped by its
-size), and a prefix hit on a repeated image."""
+"""Tiled images (``server.engine.multimodal``).
+
+LLaVA-NeXT: an image as its whole at 28x28 and its tiles at the best of the model's resolutions, a
+learned newline after each row of tile features, so that an image's tokens depend on its aspect. A
+tiny random LLaVA-NeXT (hub tensor names) on 2 ranks with its tower sharded: greedy tokens and their
+log-probabilities equal transformers' ``generate`` for wide, tall and square images, two images of
+different tile counts in one prompt, and two requests whose images have different tile counts
+encoded in one step (padded to the most tiles, each dropped by its size), and a prefix hit on a
+repeated image.
+
+Idefics3 and SmolVLM: an image as 56x56 tiles and then its whole, each tile's tokens between tile
+markers (``<fake_token_around_image><row_1_col_2>``), so an image's tokens lie among text tokens,
+and a pixel mask per tile. Each on 2 ranks with prompts cut into chunks of 7 tokens, so that chunks
+end among an image's tiles: the same equalities, for one and two images.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +22,8 @@ import threading
 import pytest
 
 from tests.server_process import ServerProcess
-from tests.vision_checkpoints import image_data_url, make_image, reference_vlm_logprobs, write_llava_next_checkpoint
+from tests.vision_checkpoints import image_data_url, make_image, reference_vlm_logprobs, write_idefics3_checkpoint, \
+    write_llava_next_checkpoint
 
 TOKENS = 8
 QUESTION = "What is this?"
@@ -106,6 +115,41 @@ def test_images_of_different_tile_counts_encode_together_as_alone(tmp_path):
     prompts = ImagePrompts.load(path, AutoConfig.from_pretrained(path))
     inputs = [prompts.prompt("USER: <image>\nASSISTANT:", [make_image(7, size)])[1][0] for size in (WIDE, SQUARE)]
     assert inputs[0].shape[1] != inputs[1].shape[1]  # 3 and 5 tiles
+    encoder = ImageEncoder(model, torch.device("cpu"))
+    together = encoder.encode(inputs)
+    for image, rows in zip(inputs, together):
+        torch.testing.assert_close(rows, encoder.encode([image])[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module", params=["idefics3", "smolvlm"])
+def idefics(tmp_path_factory, request):
+    root = tmp_path_factory.mktemp(request.param)
+    path = write_idefics3_checkpoint(root / request.param, request.param)
+    server = ServerProcess(path, extra_args=("--kv-cache-memory", "8MiB", "--kv-block-size", "4",
+                                             "--max-batch-prefill-tokens", "7"), log_path=root / "server.log")
+    server.path = path
+    with server:
+        yield server
+
+
+@pytest.mark.parametrize("images", [[(60, 40)], [(30, 90), (60, 40)]], ids=["one", "two"])
+def test_tiles_among_markers_in_chunks(idefics, images):
+    images = [make_image(10 + i, size) for i, size in enumerate(images)]
+    _check(idefics, images, _answer(idefics, _parts(*images)))
+
+
+def test_tiled_images_with_masks_encode_together_as_alone(tmp_path):
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from server.api.media import ImagePrompts
+    from server.engine.multimodal import ImageEncoder
+
+    path = write_idefics3_checkpoint(tmp_path / "idefics3")
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = ImagePrompts.load(path, AutoConfig.from_pretrained(path))
+    _, inputs = prompts.prompt("USER: <image><image>\nASSISTANT:", [make_image(8, (30, 90)), make_image(9, (60, 40))])
+    assert [image.shape[1] for image in inputs] == [3, 5] and all(image.length > image.count for image in inputs)
     encoder = ImageEncoder(model, torch.device("cpu"))
     together = encoder.encode(inputs)
     for image, rows in zip(inputs, together):

@@ -247,6 +247,53 @@ def write_gemma3_checkpoint(path, *, seed: int = 0, max_shard_size="40KB") -> st
     return path
 
 
+def write_idefics3_checkpoint(path, model_type: str = "idefics3", *, seed: int = 0, max_shard_size="40KB") -> str:
+    """Save a random-weight Idefics3 (``model_type`` "idefics3") or SmolVLM ("smolvlm"): a 2-layer
+    SigLIP-like tower over 56x56 tiles in 14x14 patches, pixel-shuffled 2x2 into 4 tokens a tile; the
+    image resized to at most 112 pixels a side and cut into 56x56 tiles, then the whole image at 56x56
+    too, each tile's 4 ``<image>`` tokens between ``<fake_token_around_image>`` and a
+    ``<row_i_col_j>`` (or ``<global-img>``) marker; ``make_config("llama")``'s text model; its
+    processor (SmolVLM's assembled from its parts without torchvision)."""
+    from transformers import AutoModelForImageTextToText, Idefics3Config, Idefics3Processor, SmolVLMConfig
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    base = make_processor()
+    tok = base.tokenizer
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN, "<fake_token_around_image>",
+                                                          "<global-img>", "<end_of_utterance>"]})
+    sizes = dict(do_image_splitting=True, size={"longest_edge": 112}, max_image_size={"longest_edge": 56})
+    if model_type == "idefics3":
+        image_processor, config_class = Idefics3ImageProcessorPil(**sizes), Idefics3Config
+    elif model_type == "smolvlm":
+        image_processor, config_class = SmolVLMImageProcessorPil(**sizes), SmolVLMConfig
+    else:
+        raise ValueError(model_type)
+    config = config_class(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=56, patch_size=14),
+        text_config=make_config("llama", len(tok)).to_dict(), scale_factor=2,
+        image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN), tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).to(torch.float32)
+    with torch.no_grad():
+        model.model.connector.modality_projection.proj.weight.normal_(0.0, PROJECTOR_STD)
+    path = str(path)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    if model_type == "idefics3":
+        Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=4,
+                          chat_template=CHAT_TEMPLATE).save_pretrained(path)
+    else:  # SmolVLMProcessor wants a video processor (torchvision): its parts, as the hub ships them
+        image_processor.save_pretrained(path)
+        tok.save_pretrained(path)
+        with open(f"{path}/processor_config.json", "w") as f:
+            f.write('{"image_seq_len": 4, "processor_class": "SmolVLMProcessor"}')
+        with open(f"{path}/chat_template.jinja", "w") as f:
+            f.write(CHAT_TEMPLATE)
+    return path
+
+
 # Qwen's template: each image part a vision span whose one pad the processor repeats per merged patch.
 QWEN_IMAGE_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 QWEN_CHAT_TEMPLATE = (
@@ -351,7 +398,8 @@ def reference_vlm_generate(path, messages, images, max_new_tokens: int = 16) -> 
     """Greedy new token ids from transformers' own unsharded model for chat ``messages`` showing
     ``images`` (in the order their image parts appear): the reference we must match."""
     _, processor = _reference_model(str(path))
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = processor.tokenizer.apply_chat_template(messages, chat_template=processor.chat_template,
+                                                     add_generation_prompt=True, tokenize=False)
     return reference_prompt_generate(path, prompt, images, max_new_tokens)
 
 
@@ -374,7 +422,8 @@ def reference_vlm_logprobs(path, messages, images, max_new_tokens: int = 16) -> 
     ``images``, and each one's log-probability (of the raw scores): where a model's positions
     matter less than its images (a random one), its log-probabilities still tell them apart."""
     model, processor = _reference_model(str(path))
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = processor.tokenizer.apply_chat_template(messages, chat_template=processor.chat_template,
+                                                     add_generation_prompt=True, tokenize=False)
     inputs = processor(text=prompt, images=list(images) or None, return_tensors="pt")
     out = model.generate(
         **inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import os
 import re
 import urllib.parse
@@ -195,8 +196,24 @@ def _image_processor_only(model_dir: str):
 
     ImagesOnly.__name__ = ImagesOnly.__qualname__ = processor_class.__name__
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    kwargs = {}  # the processor's own settings (SmolVLM's image_seq_len), as from_pretrained passes them
+    config_file = os.path.join(model_dir, "processor_config.json")
+    if os.path.exists(config_file):
+        with open(config_file) as f:
+            kwargs = {k: v for k, v in json.load(f).items() if k not in ("processor_class", "auto_map")}
     return ImagesOnly(image_processor=AutoImageProcessor.from_pretrained(model_dir), tokenizer=tokenizer,
-                      video_processor=None, chat_template=tokenizer.chat_template)
+                      video_processor=None, chat_template=tokenizer.chat_template, **kwargs)
+
+
+def _per_image(pixels, masks, tiles: list[int]) -> tuple[list, list | None]:
+    """One sample's stacked tiles ([tiles, C, H, W], padded to the sample's most) as each image's own
+    ([1, its tiles, C, H, W]), and its mask's likewise."""
+    bounds, at = [], 0
+    for count in tiles:
+        bounds.append((at, at + count))
+        at += count
+    return ([pixels[a:b].unsqueeze(0) for a, b in bounds],
+            [masks[a:b].unsqueeze(0) for a, b in bounds] if masks is not None else None)
 
 
 class ImagePrompts:
@@ -210,6 +227,8 @@ class ImagePrompts:
             processor.tokenizer.convert_ids_to_tokens(image_token_id)
         # what an image in a raw prompt (TGI's ![](url)) becomes: the placeholder, inside the family's
         # vision span where it has one (Qwen-VL's <|vision_start|>...<|vision_end|>), as its template writes it
+        # Idefics3's and SmolVLM's image tokens a tile (an image is tiles, its tokens among tile markers)
+        self.per_tile = getattr(processor, "image_seq_len", None)
         self.markdown_image = self.image_token
         if span is not None:
             start, end = processor.tokenizer.convert_ids_to_tokens(list(span))
@@ -228,6 +247,8 @@ class ImagePrompts:
     def prompt(self, text: str, images: list, special_tokens: bool = False) -> tuple[list[int], list]:
         """``text`` (one placeholder per image, in order) and ``images`` as token ids and ImageInputs;
         ``special_tokens``: the tokenizer's own (a raw TGI input's), else none (a rendered template's)."""
+        import torch
+
         from server.engine.multimodal import image_key
         from server.engine.plan import ImageInput
 
@@ -239,8 +260,7 @@ class ImagePrompts:
             return self.processor.tokenizer(text, add_special_tokens=special_tokens).input_ids, []
         out = self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=special_tokens)
         ids = out["input_ids"][0].tolist()
-        counts = self.processor._get_num_multimodal_tokens(
-            image_sizes=[[image.height, image.width] for image in images]).num_image_tokens
+        counts = self._token_counts(images)
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(positions) != sum(counts):
             raise MediaError(f"the processor made {len(positions)} image tokens for {len(images)} images "
@@ -248,19 +268,35 @@ class ImagePrompts:
         pixels = out["pixel_values"].float().contiguous()
         key = next((k for k in IMAGE_GEOMETRY if k in out), None)
         grids = out[key].tolist() if key else [[] for _ in images]
+        masks = out["pixel_attention_mask"].to(torch.uint8) if "pixel_attention_mask" in out else None
         if pixels.dim() == 2:  # patch rows, each image's t*h*w of them in turn (Qwen-VL)
             pixels = pixels.split([t * h * w for t, h, w in grids])
+        elif self.per_tile is not None:  # one sample's tiles, every image's in turn (Idefics3, SmolVLM)
+            pixels, masks = _per_image(pixels[0], masks[0] if masks is not None else None, self._tiles(images))
         else:  # one entry an image (LLaVA-NeXT's: its tiles)
             pixels = [pixel.unsqueeze(0) for pixel in pixels]
+            masks = [mask.unsqueeze(0) for mask in masks] if masks is not None else None
         inputs, at = [], 0
-        for pixel, grid, count in zip(pixels, grids, counts):
+        for i, (pixel, grid, count) in enumerate(zip(pixels, grids, counts)):
             data, shape = pixel.numpy().tobytes(), list(pixel.shape)
-            start = positions[at]
-            if positions[at + count - 1] != start + count - 1:
-                raise MediaError("an image's tokens are not contiguous in the prompt", param="messages")
-            inputs.append(ImageInput(image_key(data, shape), start, count, shape, data, grid))
+            start, last = positions[at], positions[at + count - 1]
+            length = last + 1 - start if last + 1 - start != count else 0  # its tokens among others (tile markers)
+            mask = masks[i].numpy().tobytes() if masks is not None else b""
+            inputs.append(ImageInput(image_key(data + mask, shape), start, count, shape, data, grid, length, mask))
             at += count
         return ids, inputs
+
+    def _token_counts(self, images: list) -> list[int]:
+        """Each image's image tokens, from the processor's own arithmetic."""
+        if self.per_tile is not None:  # its tiles' (the processor's own count is the whole span, markers too)
+            return [tiles * self.per_tile for tiles in self._tiles(images)]
+        sizes = [[image.height, image.width] for image in images]
+        return self.processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
+
+    def _tiles(self, images: list) -> list[int]:
+        """Each image's tiles (Idefics3, SmolVLM: its split tiles, then the whole image)."""
+        count = self.processor.image_processor.get_number_of_image_patches
+        return [count(image.height, image.width)[0] for image in images]
 
     def check_text_only(self, ids: list[int], param: str) -> None:
         """A prompt without images must hold no image token (it would take an image's place)."""

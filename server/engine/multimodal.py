@@ -55,6 +55,7 @@ class ImageFamily:
 
     bidirectional: bool = False  # its attention over an image's tokens goes both ways: a chunk holds an image whole
     tensor_features: bool = False  # its forward takes mm_encoder_outputs' features as one tensor, not a list
+    tiles: bool = False  # an image is tiles [1, tiles, C, H, W] with a pixel mask, its tokens among tile markers
 
 
 IMAGE_FAMILIES = {
@@ -64,10 +65,12 @@ IMAGE_FAMILIES = {
     "qwen2_5_vl": ImageFamily(),
     "qwen3_vl": ImageFamily(),
     "gemma3": ImageFamily(bidirectional=True, tensor_features=True),
+    "idefics3": ImageFamily(tiles=True),
+    "smolvlm": ImageFamily(tiles=True),
 }
 """Image-text families whose image tokens the engine computes exactly (``model_type``): their tokens
-one run an image; their attention over an image's tokens causal (LLaVA, LLaVA-NeXT, Qwen-VL) or both
-ways (Gemma 3); their rope one position per token or placed by the image's grid (Qwen2-VL,
+one run an image, or tiles' runs among tile markers (Idefics3, SmolVLM); their attention over an
+image's tokens causal (LLaVA, LLaVA-NeXT, Qwen-VL, Idefics3, SmolVLM) or both ways (Gemma 3); their rope one position per token or placed by the image's grid (Qwen2-VL,
 Qwen2.5-VL, Qwen3-VL: :class:`GridRope`)."""
 
 SERVED_IMAGE_TEXT_MODEL_TYPES = frozenset(IMAGE_FAMILIES)
@@ -96,7 +99,10 @@ def image_keyed_tokens(prompt_ids: list[int], images: list[ImageInput]) -> list[
     keyed = list(prompt_ids)
     for image in images:
         pseudo = -1 - int.from_bytes(image.key[:7], "little")
-        keyed[image.start:image.start + image.count] = [pseudo] * image.count
+        token = prompt_ids[image.start]
+        for i in range(image.start, image.end):
+            if prompt_ids[i] == token:  # its tokens, not the text between them (Idefics3's tile markers)
+                keyed[i] = pseudo
     return keyed
 
 
@@ -131,9 +137,11 @@ class ImageEncoder:
                            for m in model.get_submodule(name).modules())
         parameters = inspect.signature(self.base.get_image_features).parameters
         self.geometry = next((name for name in GEOMETRY_ARGUMENTS if name in parameters), None)
-        self.blank, self.blank_grid = _blank_image(model.config, device)
-        self.output_class = None  # what get_image_features returns (BaseModelOutputWithPooling or a subclass)
         self.family = image_family(model.config)
+        self.blank, self.blank_grid = _blank_image(model.config, device, self.family.tiles)
+        self.blank_mask = torch.ones(self.blank.shape[:2] + self.blank.shape[3:], dtype=torch.bool, device=device) \
+            if self.family.tiles else None
+        self.output_class = None  # what get_image_features returns (BaseModelOutputWithPooling or a subclass)
         self._settled = False
 
     @torch.no_grad()
@@ -146,20 +154,25 @@ class ImageEncoder:
             self._settle()
         if not images:
             if self.sharded:  # the other ranks' encoder units gather: match them
-                self._features(self.blank, [self.blank_grid] if self.blank_grid else [], None)
+                self._features(self.blank, [self.blank_grid] if self.blank_grid else [], None, self.blank_mask)
             return []
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # the idle ranks' cores, as the step's forward (server.engine.cores)
         pixels = _stack([pixel_tensor(image) for image in images]).to(self.device)
+        masks = _stack([mask_tensor(image) for image in images], tile_dim=1).to(self.device) \
+            if self.family.tiles else None
         features = self._features(pixels, [image.grid for image in images if image.grid],
-                                  [image.count for image in images])
+                                  [image.count for image in images], masks)
         for image, rows in zip(images, features):
             if rows.shape[1] != image.count:
                 raise ValueError(f"an image encoded to {rows.shape[1]} embeddings for {image.count} placeholders")
         return features
 
-    def _features(self, pixels: torch.Tensor, grids: list[list[int]], counts: list[int] | None) -> list[torch.Tensor]:
+    def _features(self, pixels: torch.Tensor, grids: list[list[int]], counts: list[int] | None,
+                  masks: torch.Tensor | None = None) -> list[torch.Tensor]:
         extra = {self.geometry: torch.tensor(grids, device=self.device)} if grids else {}
+        if masks is not None:
+            extra["pixel_attention_mask"] = masks
         out = self.base.get_image_features(pixel_values=pixels, return_dict=True, **extra)
         if self.output_class is None:
             self.output_class = type(out)
@@ -187,10 +200,10 @@ class ImageEncoder:
         self._settled = True
 
 
-def _blank_image(config, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+def _blank_image(config, device: torch.device, tiles: bool = False) -> tuple[torch.Tensor, list[int]]:
     """The smallest image the encoder takes (zeros) and its geometry: a square of ``image_size``
-    (CLIP), its tiles with its size (LLaVA-NeXT), or one merged patch's worth of patch rows
-    (Qwen-VL: grid [1, merge, merge])."""
+    (CLIP), its tiles with its size (LLaVA-NeXT), one tile of ones (Idefics3: all-zero tiles are
+    padding it drops), or one merged patch's worth of patch rows (Qwen-VL: grid [1, merge, merge])."""
     vision = config.vision_config
     channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", 3)
     merge = getattr(vision, "spatial_merge_size", None)
@@ -198,6 +211,8 @@ def _blank_image(config, device: torch.device) -> tuple[torch.Tensor, list[int]]
         patch = channels * vision.temporal_patch_size * vision.patch_size ** 2
         return torch.zeros(merge * merge, patch, device=device), [1, merge, merge]
     size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
+    if tiles:
+        return torch.ones(1, 1, channels, size, size, device=device), []
     pinpoints = getattr(config, "image_grid_pinpoints", None)
     if pinpoints:
         from transformers.image_processing_utils import select_best_resolution
@@ -208,12 +223,13 @@ def _blank_image(config, device: torch.device) -> tuple[torch.Tensor, list[int]]
     return torch.zeros(1, channels, size, size, device=device), []
 
 
-def _stack(pixels: list[torch.Tensor]) -> torch.Tensor:
-    """Images' pixel values in one batch along dim 0, each zero-padded to the most tiles among them
-    (LLaVA-NeXT's encoder drops each image's padding tiles by its size)."""
-    if pixels[0].dim() == 5 and len({p.shape[1] for p in pixels}) > 1:
+def _stack(pixels: list[torch.Tensor], tile_dim: int | None = None) -> torch.Tensor:
+    """Images' pixel values (or masks: ``tile_dim`` 1) in one batch along dim 0, each zero-padded to
+    the most tiles among them (LLaVA-NeXT's encoder drops each image's padding tiles by its size,
+    Idefics3's the all-zero ones)."""
+    if (tile_dim is not None or pixels[0].dim() == 5) and len({p.shape[1] for p in pixels}) > 1:
         most = max(p.shape[1] for p in pixels)
-        pixels = [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in pixels]
+        pixels = [torch.nn.functional.pad(p, (0, 0) * (p.dim() - 2) + (0, most - p.shape[1])) for p in pixels]
     return torch.cat(pixels)
 
 
@@ -243,6 +259,12 @@ class GridRope:
         grids = torch.tensor([grid for _, _, *grid in image_grids])
         positions, delta = self.base.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grids)
         return positions[:, 0], int(delta.reshape(-1)[0])
+
+
+def mask_tensor(image: ImageInput) -> torch.Tensor:
+    """An :class:`ImageInput`'s pixel attention mask: bool of its shape without the channels."""
+    shape = image.shape[:2] + image.shape[3:]
+    return torch.frombuffer(bytearray(image.mask), dtype=torch.uint8).reshape(shape).bool()
 
 
 def pixel_tensor(image: ImageInput) -> torch.Tensor:

@@ -28,6 +28,17 @@ class ImageInput:
     shape: list[int]
     pixels: bytes
     grid: list[int] = field(default_factory=list)
+    # positions from ``start`` through its last token, where its tokens lie among others (Idefics3's tile
+    # markers); 0: ``count``, contiguous. Its tokens there are those equal to the one at ``start``
+    length: int = 0
+    # the processor's pixel attention mask where the family takes one (Idefics3's: which pixels of each
+    # tile are the image's, not padding), uint8 of ``shape`` without its channels
+    mask: bytes = b""
+
+    @property
+    def end(self) -> int:
+        """One past the position of its last token."""
+        return self.start + (self.length or self.count)
 
 
 @dataclass

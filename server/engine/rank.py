@@ -162,7 +162,7 @@ class _Sequence:
         another: ``Scheduler.whole_images``)."""
         spans, end = [], start + count
         for image, _ in self.images:
-            first, last = image.start, image.start + image.count
+            first, last = image.start, image.end
             if first < end and last > start:
                 if last > end:
                     raise ValueError(f"a chunk ends at {end} inside an image at {first}..{last - 1}")
@@ -175,10 +175,15 @@ class _Sequence:
         rows, end = [], start + count
         for entry in self.images:
             image, features = entry
-            first, last = max(start, image.start), min(end, image.start + image.count)
+            first, last = max(start, image.start), min(end, image.end)
             if first < last:
-                rows.append(features[:, first - image.start:last - image.start])
-        self.images = [entry for entry in self.images if entry[0].start + entry[0].count > end]
+                if image.length:  # its tokens lie among others: count them
+                    token = self.tokens[image.start]
+                    before = self.tokens[image.start:first].count(token)
+                    rows.append(features[:, before:before + self.tokens[first:last].count(token)])
+                else:
+                    rows.append(features[:, first - image.start:last - image.start])
+        self.images = [entry for entry in self.images if entry[0].end > end]
         return rows
 
 

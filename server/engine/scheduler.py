@@ -502,7 +502,7 @@ class Scheduler:
                     self.metrics.queue_time.observe(handle.started_at - handle.submitted_at)
                     self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
             self._running[handle.seq_id] = handle
-            images = [image for image in handle.images if image.start + image.count > handle.num_computed]
+            images = [image for image in handle.images if image.end > handle.num_computed]
             grids = [[image.start, image.count, *image.grid] for image in handle.images if image.grid]
             plan.add.append(SequenceAdd(handle.seq_id, rank, list(tokens), handle.params, list(handle.blocks),
                                         handle.num_generated, images, grids))
@@ -666,7 +666,7 @@ def _whole_images(images: list, start: int, count: int) -> int:
     an image is never split)."""
     end = start + count
     for image in images:
-        first, last = image.start, image.start + image.count
+        first, last = image.start, image.end
         if first < end < last:
             end = first if first > start else last
             break

@@ -147,6 +147,11 @@ def register_error_handlers(app: FastAPI) -> None:
         error.error_type = error.openai_type = "not_found" if exc.status_code == 404 else "http_error"
         return error_response(error, request.url.path)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # a bug, not the request's fault: still the API's JSON envelope (the server logs the traceback)
+        return error_response(APIError(f"internal error: {type(exc).__name__}: {exc}"), request.url.path)
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = describe_validation_error(exc)
