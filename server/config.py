@@ -229,6 +229,10 @@ class ServeConfig:
         "shard", "an image-text model's vision encoder and projector: shard (FSDP units like the decoder's, each "
         "rank reading and holding its rows) or replicate (whole on every rank: no all-gathers when it encodes)",
         "model", choices=ENCODER_MODES)
+    mm_embedding_cache: int = option(
+        256 << 20, "an image-text model's image embeddings each rank keeps, in host memory, by the image's content: "
+        "an image seen again on that rank is not encoded again (whatever text comes before it); 0: none",
+        "model", type=parse_size, metavar="BYTES")
     read_mode: str = option("sliced", "sliced: each rank reads only its own rows; full: whole tensors", "model",
                             choices=READ_MODES)
     load_concurrency: int = option(8, "reads a rank keeps in flight: ranged GETs of an s3:// checkpoint; "
@@ -428,7 +432,7 @@ class ServeConfig:
                      "max_image_bytes", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_stop_sequences", "max_top_logprobs", "max_images_per_request"):
+        for name in ("max_stop_sequences", "max_top_logprobs", "max_images_per_request", "mm_embedding_cache"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "slow_reader_timeout_s",

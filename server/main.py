@@ -378,10 +378,12 @@ def _build_router(cfg: ServeConfig, loaded, groups, per_rank, state, device):
     from server.engine.rope import rope_switch
     from server.engine.state import is_stateful_config
 
-    from server.engine.multimodal import image_family, takes_images
+    from server.engine.multimodal import embedding_row_bytes, image_family, takes_images
 
     limits = state.limits = _resolve_limits(cfg, loaded.config)
     whole_images = takes_images(loaded.model) and image_family(loaded.config).bidirectional
+    # image embeddings each rank keeps by content (server.engine.multimodal.ImageCacheBook), in rows
+    image_rows = cfg.mm_embedding_cache // embedding_row_bytes(loaded.config) if takes_images(loaded.model) else 0
     # a cached block holds keys and values, not a stateful layer's state after it (server.engine.state)
     prefix_caching = cfg.prefix_caching and not is_stateful_config(loaded.config)
     share = _group_share(limits.max_concurrent_requests, len(groups))
@@ -397,7 +399,7 @@ def _build_router(cfg: ServeConfig, loaded, groups, per_rank, state, device):
             max_queued=limits.max_queued_requests, max_total_tokens=limits.max_total_tokens,
             max_prefill_tokens=cfg.prefill_tokens_for(device.type), prefill_share=cfg.prefill_share_for(device.type),
             eos_token_ids=_eos_ids(loaded.model, loaded.tokenizer), metrics=state.metrics, cores=cores,
-            rope=rope_switch(loaded.model), whole_images=whole_images,
+            rope=rope_switch(loaded.model), whole_images=whole_images, image_cache=image_rows,
         )
         for ranks in groups
     ]

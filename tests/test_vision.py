@@ -149,6 +149,49 @@ def test_prefix_cache_keys_images_by_content(served):
     assert _hits(served) - before == 4
 
 
+def test_an_image_after_other_text_comes_from_the_embedding_cache(served):
+    import re as _re
+
+    def images(how):
+        text = served.client.get("/metrics").text
+        return float(_re.search(r'^hsdp_images_total{how="%s"} (\S+)$' % how, text, _re.M).group(1))
+
+    image = make_image(13)
+    for lead in ("Look at this: ", "And now this one, please: "):  # the prefix cache misses before the image
+        content = [{"type": "text", "text": lead}, *_parts(image)]
+        want = reference_vlm_generate(served.path, [{"role": "user", "content": [
+            {"type": "text", "text": lead}, *_template_parts(1)]}], [image], TOKENS)
+        before = images("encoded"), images("cached")
+        assert _chat(served, content)["choices"][0]["message"]["content"] == _text(served, want)
+        after = images("encoded"), images("cached")
+    # the second time on the same rank (its "USER: " block is cached there): the embeddings, not the pixels
+    assert (after[0] - before[0], after[1] - before[1]) == (0, 1)
+
+
+def test_the_image_cache_book_keeps_the_most_recent_within_its_rows():
+    from server.engine.multimodal import ImageCacheBook
+    from server.engine.plan import ImageInput
+
+    def image(key, count):
+        return ImageInput(key, 0, count, [1], b"pixels")
+
+    book = ImageCacheBook(ranks=2, capacity=10)
+    forget = []
+    assert not book.take(0, image(b"a", 4), forget).cached and not book.take(0, image(b"b", 4), forget).cached
+    sent = book.take(0, image(b"a", 4), forget)  # held: no pixels travel, and it is now the most recent
+    assert sent.cached and sent.pixels == b"" and forget == []
+    assert not book.take(1, image(b"a", 4), forget).cached  # another rank's cache is its own
+    book.take(0, image(b"c", 4), forget)  # 12 rows > 10: the least recent (b) goes
+    assert forget == [b"b"] and book.take(0, image(b"a", 4), forget).cached
+    forget.clear()
+    book.take(0, image(b"huge", 11), forget)  # larger than the whole cache: everything goes, itself too
+    assert forget == [b"c", b"a", b"huge"]
+    book.clear()
+    assert not book.take(1, image(b"a", 4), []).cached
+    zero, forget = ImageCacheBook(ranks=1, capacity=0), []
+    assert not zero.take(0, image(b"a", 1), forget).cached and forget == [b"a"]  # --mm-embedding-cache 0
+
+
 @pytest.mark.parametrize("case, option", [
     ("count", "--max-images-per-request"),
     ("pixels", "--max-image-pixels"),

@@ -31,7 +31,10 @@ plus the prompt's offset (transformers' ``rope_deltas``). A step passes the mode
 only where some row is an image's; otherwise the shifted 1-D positions, as its text tokens take.
 
 The prefix cache keys an image's placeholders by the image's content (:func:`image_keyed_tokens`):
-two prompts with the same text and image share blocks; another image never matches.
+two prompts with the same text and image share blocks; another image never matches. Each rank
+also keeps the embeddings it computed by the image's content (``RankEngine.image_cache``, host
+memory), exactly as rank 0's :class:`ImageCacheBook` accounts for them: an image a rank holds
+travels as ``cached`` (no pixels) and is not encoded again, whatever text precedes it.
 
 Contract: :data:`IMAGE_FAMILIES` the families served with images and what each needs
 (``server.engine.capability`` refuses the other image-text families); :func:`takes_images` whether a
@@ -40,16 +43,17 @@ loaded model does; nothing here knows HTTP or the processor.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import hashlib
 import inspect
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from server.engine.plan import ImageInput
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ImageFamily:
     """What the engine does differently for an image-text family."""
 
@@ -265,6 +269,50 @@ def mask_tensor(image: ImageInput) -> torch.Tensor:
     """An :class:`ImageInput`'s pixel attention mask: bool of its shape without the channels."""
     shape = image.shape[:2] + image.shape[3:]
     return torch.frombuffer(bytearray(image.mask), dtype=torch.uint8).reshape(shape).bool()
+
+
+class ImageCacheBook:
+    """Rank 0's account of each rank's image cache: which images' embeddings it holds, least
+    recently used first, within ``capacity`` embedding rows a rank (``--mm-embedding-cache`` over
+    a row's bytes). The scheduler decides from it whether an image travels with its pixels or as
+    ``cached``, and tells each rank what to let go (``StepPlan.forget_images``): the ranks keep
+    exactly what it says, so the two never disagree."""
+
+    def __init__(self, ranks: int, capacity: int):
+        self.capacity = capacity
+        self._held = [collections.OrderedDict() for _ in range(ranks)]  # key -> rows, least recent first
+        self._rows = [0] * ranks
+
+    def take(self, rank: int, image: ImageInput, forget: list[bytes]) -> ImageInput:
+        """``image`` as it travels to ``rank``: ``cached`` (no pixels) where the rank holds it; else
+        with its pixels, and held from now on, the least recently used let go (added to ``forget``)."""
+        held = self._held[rank]
+        if image.key in held:
+            held.move_to_end(image.key)
+            return dataclasses.replace(image, pixels=b"", mask=b"", cached=True)
+        held[image.key] = image.count
+        self._rows[rank] += image.count
+        while self._rows[rank] > self.capacity:  # the newest too, where it alone is larger than the cache
+            key, rows = held.popitem(last=False)
+            self._rows[rank] -= rows
+            forget.append(key)
+        return image
+
+    def clear(self) -> None:
+        """New weights: every rank's cache is dropped (their embeddings were the old weights')."""
+        for held in self._held:
+            held.clear()
+        self._rows = [0] * len(self._rows)
+
+
+def embedding_row_bytes(config) -> int:
+    """Host bytes of one image token's embeddings: its hidden size, and Qwen3-VL's deepstack layers too."""
+    text = config.get_text_config()
+    layers = 1 + len(getattr(getattr(config, "vision_config", None), "deepstack_visual_indexes", None) or ())
+    dtype = getattr(text, "dtype", None) or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return layers * text.hidden_size * torch.empty((), dtype=dtype).element_size()
 
 
 def pixel_tensor(image: ImageInput) -> torch.Tensor:

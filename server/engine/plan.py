@@ -34,6 +34,8 @@ class ImageInput:
     # the processor's pixel attention mask where the family takes one (Idefics3's: which pixels of each
     # tile are the image's, not padding), uint8 of ``shape`` without its channels
     mask: bytes = b""
+    # its embeddings are in its rank's image cache (server.engine.multimodal.ImageCacheBook): no pixels come
+    cached: bool = False
 
     @property
     def end(self) -> int:
@@ -129,7 +131,9 @@ class StepPlan:
     threads: int = 0  # intra-op threads a rank with work uses this step (server.engine.cores); 0: its own
     share: PeerShare | None = None  # a peer group asked for the weights (server.peer)
     update: WeightUpdate | None = None  # new weights now (server.weights)
-    encode: bool = False  # a sequence added brings images: every rank runs the image encoder (its units gather)
+    encode: bool = False  # a sequence added brings images to encode: every rank runs the image encoder (its units gather)
+    # rank -> image keys its image cache lets go once this step's images are resolved (ImageCacheBook)
+    forget_images: dict[int, list[bytes]] = field(default_factory=dict)
 
 
 @dataclass

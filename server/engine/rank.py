@@ -229,6 +229,8 @@ class RankEngine:
         self.images = ImageEncoder(model, device) if takes_images(model) else None  # server.engine.multimodal
         self._grid_rope = GridRope(model) if self.images is not None and GridRope.applies(model) else None
         self._both_ways = self.images is not None and self.images.family.bidirectional
+        # image key -> embeddings (host memory): exactly what rank 0's ImageCacheBook says this rank holds
+        self.image_cache: dict[bytes, torch.Tensor] = {}
         self.memory = None  # a server.group.memory.MemoryReport, reported every few seconds
         self._reported_at = 0.0
         self._trimmed_at, self._forwards_at_trim = 0.0, 0
@@ -248,9 +250,14 @@ class RankEngine:
                 self.sequences_started += 1
                 if add.params.grammar is not None:
                     self._start_grammar(self.sequences[add.seq_id])
-        if plan.encode and self.images is not None:
-            self._encode([self.sequences[add.seq_id] for add in plan.add if add.rank == self.rank and add.images],
-                         plan.threads)
+        if self.images is not None:
+            if plan.update is not None:  # embeddings of the old weights
+                self.image_cache.clear()
+            arrived = [self.sequences[add.seq_id] for add in plan.add if add.rank == self.rank and add.images]
+            if plan.encode or arrived:
+                self._encode(arrived, plan.threads, plan.encode)
+            for key in plan.forget_images.get(self.rank, ()):  # as rank 0's ImageCacheBook says
+                self.image_cache.pop(key, None)
         tokens: list[TokenResult] = []
         self._prompt_logprobs: list[PromptLogprobs] = []
         if plan.forward:
@@ -276,11 +283,19 @@ class RankEngine:
             result.memory = self.memory.snapshot()
         return result
 
-    def _encode(self, sequences: list[_Sequence], threads: int) -> None:
-        """The new sequences' images through the image encoder, in one call (every rank calls it)."""
+    def _encode(self, sequences: list[_Sequence], threads: int, encode: bool) -> None:
+        """The new sequences' images: those that come with pixels through the image encoder, in one
+        call (every rank calls it where the plan says ``encode``), kept in the image cache; the
+        others' embeddings from the cache, where rank 0's ImageCacheBook says they are."""
         entries = [entry for seq in sequences for entry in seq.images]
-        for entry, features in zip(entries, self.images.encode([image for image, _ in entries], threads)):
-            entry[1] = features
+        new = [entry for entry in entries if not entry[0].cached]
+        if encode:
+            for entry, features in zip(new, self.images.encode([image for image, _ in new], threads)):
+                entry[1] = features
+                self.image_cache[entry[0].key] = features.to("cpu", copy=features.device.type != "cpu")
+        for entry in entries:
+            if entry[0].cached:
+                entry[1] = self.image_cache[entry[0].key].to(self.device)
 
     @torch.no_grad()
     def _idle_forward(self) -> list[TokenResult]:

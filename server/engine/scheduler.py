@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from server.engine.blocks import BlockPool, chain_hashes
-from server.engine.multimodal import image_keyed_tokens
+from server.engine.multimodal import ImageCacheBook, image_keyed_tokens
 from server.engine.plan import SequenceAdd, StepPlan, StepResult, Work
 from server.engine.sampling import SamplingParams
 
@@ -139,6 +139,7 @@ class Scheduler:
         cores=None,
         rope=None,
         whole_images: bool = False,
+        image_cache: int = 0,
     ):
         self.pools = pools
         self.world_size = len(pools)
@@ -162,6 +163,9 @@ class Scheduler:
         self.rope = rope  # the model's server.engine.rope.RopeSwitch (length-dependent rope), or None
         # a chunk never ends inside an image: the model attends over an image's tokens both ways (Gemma 3)
         self.whole_images = whole_images
+        # each rank's image embeddings by content, in rows (server.engine.multimodal.ImageCacheBook); with 0,
+        # each image is let go in the step it is encoded
+        self.image_cache = ImageCacheBook(len(pools), image_cache)
         self._open = 0  # requests submitted and not yet finished or cancelled
         self._open_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
@@ -289,6 +293,7 @@ class Scheduler:
             self._next_version = plan.update.version
             for pool in self.pools:  # what the cache holds was computed by the old weights
                 pool.forget_prefixes()
+            self.image_cache.clear()  # the ranks drop theirs as they update
         elif not self._holding:
             continuing = self._plan_decodes(plan)
             budget = self._prefill_budgets(continuing)
@@ -301,8 +306,10 @@ class Scheduler:
         if self._shutdown.is_set() and time.monotonic() > self._shutdown_deadline:
             self.fail_all("the server is shutting down: the shutdown timeout cut this request short")
         plan.shutdown = self._shutdown.is_set() and not self._running and not self._waiting
+        plan.forget_images = {r: keys for r, keys in plan.forget_images.items() if keys}
         if self.rank_ids != list(range(self.world_size)):  # pools' indices to global ranks
             plan.work = {self.rank_ids[r]: work for r, work in plan.work.items()}
+            plan.forget_images = {self.rank_ids[r]: keys for r, keys in plan.forget_images.items()}
             for add in plan.add:
                 add.rank = self.rank_ids[add.rank]
         if self.cores is not None:
@@ -503,10 +510,16 @@ class Scheduler:
                     self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
             self._running[handle.seq_id] = handle
             images = [image for image in handle.images if image.end > handle.num_computed]
+            if images:
+                forget = plan.forget_images.setdefault(rank, [])
+                images = [self.image_cache.take(rank, image, forget) for image in images]
+                if self.metrics is not None:
+                    for image in images:
+                        self.metrics.images.labels("cached" if image.cached else "encoded").inc()
             grids = [[image.start, image.count, *image.grid] for image in handle.images if image.grid]
             plan.add.append(SequenceAdd(handle.seq_id, rank, list(tokens), handle.params, list(handle.blocks),
                                         handle.num_generated, images, grids))
-            plan.encode = plan.encode or bool(images)
+            plan.encode = plan.encode or any(not image.cached for image in images)
             self._plan_chunk(handle, plan, budget)
 
     def _place(self, num_tokens: int, keys: list[bytes], budget: list[int]) -> tuple[int, list[int]] | None:

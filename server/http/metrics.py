@@ -67,6 +67,11 @@ class ServerMetrics:
                                              "Prompt tokens looked up in the prefix cache", registry=r)
         self.prefix_hit_tokens = Counter("hsdp_prefix_cache_hit_tokens",
                                          "Prompt tokens found in the prefix cache (not computed again)", registry=r)
+        self.images = Counter("hsdp_images", "Images sent to their sequence's rank, by how: encoded (with its "
+                              "pixels) or cached (its embeddings already on that rank, --mm-embedding-cache)",
+                              ["how"], registry=r)
+        for how in ("encoded", "cached"):
+            self.images.labels(how)
         self.preemptions = Counter("hsdp_preemptions", "Sequences preempted for want of KV blocks "
                                    "(recomputed later)", registry=r)
         self.kv_blocks = Gauge("hsdp_kv_blocks", "KV cache blocks per rank by state: total, used, cached",
