@@ -1,19 +1,22 @@
 """Benchmark a request with one 448x448 image: the vision tower sharded against replicated, and
 transformers' ``generate``, side by side in one run; and a repeated image's time to first token.
 
-    python -m benchmarks.vision [--family llava|qwen2_vl] [--nproc 2] [--repeats 3] [--tokens 16] [--out FILE]
+    python -m benchmarks.vision [--family llava|qwen2_vl] [--nproc 2] [--resident-units 0] [--repeats 3]
+                                [--tokens 16] [--out FILE]
 
 The model (``--family``): a random-weight LLaVA (a CLIP ViT-B/14 tower at 448x448: 12 layers of
 768, 1024 image tokens; a projector; a Llama of 8 layers of 1024), or a random-weight Qwen2-VL (a
 ViT of 12 layers of 768 over 14x14 patches, 2x2 merged: 256 image tokens at 448x448; a Qwen2 of 8
-layers of 1024 with the 3-D rope), float32, written once under ``~/.cache/hsdp-serve/bench-<family>``. For each ``--mm-encoder`` mode a server of ``--nproc`` CPU
-ranks (``--resident-units 0``: each rank holds only its shards, as a model too large for one
-device would be served): per request with a new image, the time to first token and the whole
-request; then the same image again (its blocks in the prefix cache: issue 30's target is a time
-to first token <= 0.4x the first's); then the same image after other text (the prefix cache
-misses at the image; its rank's embedding cache, ``--mm-embedding-cache``, holds it); each rank's checkpoint bytes read and shard bytes held
-(``/info``). transformers' unsharded model (``generate`` with the processor's inputs, the same
-image and tokens, all cores) is the reference. Every figure is printed with its dtype.
+layers of 1024 with the 3-D rope), float32, written once under ``~/.cache/hsdp-serve/bench-<family>``.
+
+For each ``--mm-encoder`` mode a server of ``--nproc`` CPU ranks (``--resident-units 0`` unless
+given: each rank holds only its shards, as a model too large for one device would be served):
+per request with a new image, the time to first token and the whole request; then the same image
+again (its blocks in the prefix cache: issue 30's target is a time to first token <= 0.4x the
+first's); then the same image after other text (the prefix cache misses at the image; its rank's
+embedding cache, ``--mm-embedding-cache``, holds it); each rank's checkpoint bytes read and shard
+bytes held (``/info``). transformers' unsharded model (``generate`` with the processor's inputs,
+the same image and tokens, all cores) is the reference. Every figure is printed with its dtype.
 """
 
 from __future__ import annotations
@@ -123,11 +126,11 @@ def _stream(client, body: dict) -> tuple[float, float, str]:
     return first - start, time.perf_counter() - start, "".join(text)
 
 
-def serve(model: str, mode: str, nproc: int, images: list, tokens: int, tmp: str) -> dict:
+def serve(model: str, mode: str, nproc: int, images: list, tokens: int, tmp: str, resident: str = "0") -> dict:
     from tests.server_process import ServerProcess
     from tests.vision_checkpoints import image_data_url
 
-    args = ("--kv-cache-memory", "256MiB", "--resident-units", "0", "--mm-encoder", mode,
+    args = ("--kv-cache-memory", "256MiB", "--resident-units", resident, "--mm-encoder", mode,
             "--max-body-bytes", str(16 << 20))
     with ServerProcess(model, nproc=nproc, extra_args=args, log_path=os.path.join(tmp, f"{mode}.log")) as s:
         def body(image, lead=None):
@@ -188,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=("llava", "qwen2_vl"), default="llava")
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--resident-units", default="0", help="the servers' --resident-units (0: every unit gathers)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--out", help="also write the summary JSON here")
@@ -197,10 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     ref = reference(model, images, args.tokens)
     log(f"transformers generate: {ref['request_s']:.3f} s a request ({ref['threads']} threads)")
     with tempfile.TemporaryDirectory(prefix="bench-vision-") as tmp:
-        modes = {mode: serve(model, mode, args.nproc, images, args.tokens, tmp) for mode in ("shard", "replicate")}
+        modes = {mode: serve(model, mode, args.nproc, images, args.tokens, tmp, args.resident_units)
+                 for mode in ("shard", "replicate")}
     shard, replicate = modes["shard"], modes["replicate"]
     summary = {
         "dtype": shard["dtype"], "family": args.family, "nproc": args.nproc, "tokens": args.tokens,
+        "resident_units": args.resident_units,
         "image": "448x448 (%d tokens)" % (1024 if args.family == "llava" else 256),
         "transformers": ref, "shard": shard, "replicate": replicate,
         "request_shard_over_replicate": shard["request_new_s"] / replicate["request_new_s"],

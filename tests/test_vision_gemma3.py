@@ -116,3 +116,18 @@ def test_chunks_hold_whole_images():
     assert _whole_images(images, 9, 1) == 3  # starts inside it (a prefix hit): to its end
     assert _whole_images(images, 12, 10) == 8  # would end at 22, inside 20..25: cut at 20
     assert _whole_images(images, 12, 14) == 14  # ends at 26, past both
+
+
+@pytest.mark.slow
+def test_on_a_2x2_mesh_gathering(tmp_path):
+    """4 ranks in 2 replicas of 2 shards, nothing resident: every unit gathers; the chunks still hold
+    whole images and the masks still open them."""
+    path = write_gemma3_checkpoint(tmp_path / "gemma3")
+    server = ServerProcess(path, nproc=4, extra_args=("--kv-cache-memory", "8MiB", "--replicate-size", "2",
+                                                      "--resident-units", "0", "--max-batch-prefill-tokens", "5"),
+                           log_path=tmp_path / "server.log")
+    server.path = path
+    a, b = make_image(7), make_image(8, size=(80, 40))
+    with server:
+        for _ in range(2):  # each replica (or a prefix hit) answers the same
+            _check(server, [a, b], _answer(server, _parts(a, b)))

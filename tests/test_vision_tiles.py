@@ -154,3 +154,16 @@ def test_tiled_images_with_masks_encode_together_as_alone(tmp_path):
     together = encoder.encode(inputs)
     for image, rows in zip(inputs, together):
         torch.testing.assert_close(rows, encoder.encode([image])[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_idefics3_on_a_2x2_mesh_gathering(tmp_path):
+    path = write_idefics3_checkpoint(tmp_path / "idefics3")
+    server = ServerProcess(path, nproc=4, extra_args=("--kv-cache-memory", "8MiB", "--replicate-size", "2",
+                                                      "--resident-units", "0", "--max-batch-prefill-tokens", "7"),
+                           log_path=tmp_path / "server.log")
+    server.path = path
+    images = [make_image(20, (30, 90)), make_image(21, (60, 40))]
+    with server:
+        for _ in range(2):
+            _check(server, images, _answer(server, _parts(*images)))

@@ -298,6 +298,10 @@ class ImageCacheBook:
             forget.append(key)
         return image
 
+    def held(self, rank: int, images: list[ImageInput]) -> int:
+        """Embedding rows of ``images`` that ``rank`` holds (where to place their sequence)."""
+        return sum(image.count for image in images if image.key in self._held[rank])
+
     def clear(self) -> None:
         """New weights: every rank's cache is dropped (their embeddings were the old weights')."""
         for held in self._held:

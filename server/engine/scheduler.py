@@ -480,7 +480,7 @@ class Scheduler:
                 usable = 0  # every prompt position is computed, to be scored
             root = self.prefix_root(handle)
             keys = chain_hashes(handle.keyed(0, usable * self.block_size), self.block_size, root)
-            placed = self._place(len(tokens), keys, budget)
+            placed = self._place(len(tokens), keys, budget, handle.images)
             if placed is None:
                 if not self.fits_ever(len(tokens)):  # admission checks make this rare: a long preempted sequence
                     self._waiting.popleft()
@@ -522,11 +522,13 @@ class Scheduler:
             plan.encode = plan.encode or any(not image.cached for image in images)
             self._plan_chunk(handle, plan, budget)
 
-    def _place(self, num_tokens: int, keys: list[bytes], budget: list[int]) -> tuple[int, list[int]] | None:
+    def _place(self, num_tokens: int, keys: list[bytes], budget: list[int], images: list = ()
+               ) -> tuple[int, list[int]] | None:
         """(rank, its cached prefix blocks) for a new sequence, or None where none fits now.
 
         A replica first (the fewest blocks in use), then the rank within it that holds the
-        longest cached prefix, then has the fewest blocks in use: the work spreads by the memory
+        longest cached prefix, then the most of its images' embeddings (``ImageCacheBook``), then has
+        the fewest blocks in use: the work spreads by the memory
         it takes, whatever the pools' sizes (auto-sized pools differ by a few hundred blocks
         between ranks, which once sent a whole burst to the larger one). A rank must have room
         for the sequence and keep 1% of its blocks for its running sequences to grow into, and
@@ -543,7 +545,7 @@ class Scheduler:
                     continue
                 if budget[rank] <= 0 and num_tokens - len(cached) * self.block_size > 1:
                     continue
-                score = (len(cached), -pool.num_used)
+                score = (len(cached), self.image_cache.held(rank, images) if images else 0, -pool.num_used)
                 if best is None or score > best[0]:
                     best = (score, rank, cached)
             if best is not None:
