@@ -83,6 +83,11 @@ def test_wait_lets_running_streams_finish_on_the_old_weights_then_serves_the_new
     assert r.headers["x-weights-version"] == "b" and r.json()["details"]["weights_version"] == "b"
     r = served.client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2})
     assert r.status_code == 200 and r.headers["x-weights-version"] == "b", r.text
+    assert r.json()["system_fingerprint"] == "b"  # OpenAI's backend fingerprint: the weights' version
+    chunks = [json.loads(line[5:]) for line in served.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 2, "stream": True}).text.splitlines()
+        if line.startswith("data:") and line.strip() != "data: [DONE]"]
+    assert chunks[0]["system_fingerprint"] is None and {c["system_fingerprint"] for c in chunks[1:]} == {"b"}
     checkpoint = sum(os.path.getsize(os.path.join(served.paths["b"], n))
                      for n in os.listdir(served.paths["b"]) if n.endswith(".safetensors"))
     assert all(0.4 * checkpoint < read < 0.6 * checkpoint for read in outcome["bytes_read_per_rank"]), outcome

@@ -93,7 +93,8 @@ class ChatCompletionServing:
 
     def _chunk(self, i: int, delta: DeltaMessage, finish=None, logprobs=None) -> str:
         return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.state.model_name, choices=[
-            ChatChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=logprobs)]))
+            ChatChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=logprobs)],
+            system_fingerprint=self.streams[i].weights_version))
 
     async def chunks(self) -> AsyncIterator[str]:
         """The streamed answer: the role first, then content or tool-call deltas as they are
@@ -113,7 +114,8 @@ class ChatCompletionServing:
                 yield frame
         if include_usage(self.req):
             yield sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.state.model_name, choices=[],
-                                          usage=usage(self.streams, self.req.n)))
+                                          usage=usage(self.streams, self.req.n),
+                                          system_fingerprint=self.streams[0].weights_version))
 
     def _tool_frames(self, i: int, parser: StreamingToolParser, out: TokenOutput, logprobs) -> list[str]:
         """The frames of one output of a choice whose text may carry tool calls."""
@@ -143,7 +145,8 @@ class ChatCompletionServing:
             choices.append(ChatChoice(index=i, message=message, finish_reason=self._finish(outputs[i][-1], bool(calls)),
                                       logprobs=self._logprobs(stream.output, outputs[i])))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.state.model_name, choices=choices,
-                                      usage=usage(self.streams, self.req.n))
+                                      usage=usage(self.streams, self.req.n),
+                                      system_fingerprint=self.streams[0].weights_version)
 
 
 async def _tool_grammar(state: ServerState, renderer, offered, several: bool) -> str:

@@ -80,9 +80,9 @@ class CompletionServing:
             self._offsets[i] += len(token)
         return CompletionLogprobs(tokens=tokens, token_logprobs=chosen, top_logprobs=tops, text_offset=text_offset)
 
-    def _response(self, choices: list[CompletionChoice], usage_=None) -> CompletionResponse:
+    def _response(self, choices: list[CompletionChoice], usage_=None, i: int = 0) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.state.model_name, choices=choices,
-                                  usage=usage_)
+                                  usage=usage_, system_fingerprint=self.streams[i].weights_version)
 
     async def chunks(self) -> AsyncIterator[str]:
         """The streamed answer: per choice the prompt first where echoed, then a chunk per token
@@ -92,11 +92,11 @@ class CompletionServing:
             if req.echo and not started[i]:  # the prompt first, with its scores where asked
                 started[i] = True
                 yield sse(self._response([CompletionChoice(index=i, text=self.texts[i // req.n],
-                                                           logprobs=self._prompt_logprobs(i, out))]))
+                                                           logprobs=self._prompt_logprobs(i, out))], i=i))
             finish = finish_reason(out) if out.last else None
             if out.visible or finish:
                 yield sse(self._response([CompletionChoice(index=i, text=out.visible, finish_reason=finish,
-                                                           logprobs=self._logprobs(i, [out]))]))
+                                                           logprobs=self._logprobs(i, [out]))], i=i))
         if include_usage(req):
             yield sse(self._response([], usage(self.streams, req.n)))
 

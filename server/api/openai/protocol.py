@@ -324,6 +324,9 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    # the version of the weights that computed it (server.weights; the x-weights-version header's): OpenAI's
+    # backend fingerprint, which changes when the backend's configuration does; null before any token
+    system_fingerprint: str | None = None
 
 
 class TopLogprob(BaseModel):
@@ -360,6 +363,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # the version of the weights that computed it (server.weights; the x-weights-version header's): OpenAI's
+    # backend fingerprint, which changes when the backend's configuration does; null before any token
+    system_fingerprint: str | None = None
 
 
 class DeltaFunctionCall(_DropNone):
@@ -394,3 +400,6 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    # the version of the weights that computed it (server.weights; the x-weights-version header's): OpenAI's
+    # backend fingerprint, which changes when the backend's configuration does; null before any token
+    system_fingerprint: str | None = None
