@@ -198,3 +198,17 @@ def test_qwen2_5_vl_on_other_meshes(checkpoints, nproc, args):
         for t in threads:
             t.join(60)
         assert len(results) == 2
+
+
+@pytest.mark.slow
+def test_compiled_decode_takes_the_grid_offset(checkpoints):
+    """``--compile decode``: a decode step's positions are its tokens' indices plus each sequence's
+    offset, one row a token, so the compiled graph serves image sequences as text ones."""
+    root, paths = checkpoints
+    server = ServerProcess(paths["qwen2_vl"], extra_args=("--kv-cache-memory", "8MiB", "--compile", "decode"),
+                           log_path=root / "server-compiled.log")
+    server.path = paths["qwen2_vl"]
+    with server:
+        assert "decode forward compiled" in server.log_tail(1000)
+        for images in ([make_image(11, WIDE)], [make_image(12, TALL), make_image(13, WIDE)]):
+            _assert_same(_answer(server, _parts(*images)), _expect(server, images))
