@@ -222,6 +222,7 @@ def test_oversized_body_gets_413(served):
     assert r.status_code == 413 and r.json()["error_type"] == "payload_too_large"
     r = server.client.post("/v1/completions", json={"prompt": "y" * (1024 * 1024 + 10)})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert r.json()["error"]["param"] == "--max-body-bytes"  # the option to raise (an image's data: URL, say)
     assert server.client.post("/generate", json={"inputs": "ok", "parameters": {"max_new_tokens": 2}}).status_code == 200
 
 

@@ -111,7 +111,8 @@ class GuardMiddleware:
 
     async def _read_body(self, scope, receive, held: list[int]):
         """Read the whole body within the limits and the deadline, then replay it to the app."""
-        too_large = BodyTooLargeError(f"request body larger than {self.max_body_bytes} bytes")
+        too_large = BodyTooLargeError(f"request body larger than {self.max_body_bytes} bytes (--max-body-bytes)",
+                                      param="--max-body-bytes")
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return receive, too_large
