@@ -184,11 +184,17 @@ def test_the_image_cache_book_keeps_the_most_recent_within_its_rows():
     book.take(0, image(b"c", 4), forget)  # 12 rows > 10: the least recent (b) goes
     assert forget == [b"b"] and book.take(0, image(b"a", 4), forget).cached
     forget.clear()
-    book.take(0, image(b"huge", 11), forget)  # larger than the whole cache: everything goes, itself too
-    assert forget == [b"c", b"a", b"huge"]
+    book.take(0, image(b"huge", 11), forget)  # larger than the whole cache: not held, the rest kept
+    assert forget == [b"huge"] and book.take(0, image(b"a", 4), forget).cached
+    forget.clear()
+    book.take(0, image(b"d", 4), forget)  # a (most recent) and d held, c let go ...
+    assert forget == [b"c"]
+    book.take(0, image(b"c", 4), forget)  # ... and back in the same step: the rank must keep it
+    assert b"c" not in forget and book.take(0, image(b"c", 4), []).cached
     book.clear()
     assert not book.take(1, image(b"a", 4), []).cached
-    zero, forget = ImageCacheBook(ranks=1, capacity=0), []
+    forget = []
+    zero = ImageCacheBook(ranks=1, capacity=0)
     assert not zero.take(0, image(b"a", 1), forget).cached and forget == [b"a"]  # --mm-embedding-cache 0
 
 

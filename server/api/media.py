@@ -282,7 +282,8 @@ class ImagePrompts:
             start, last = positions[at], positions[at + count - 1]
             length = last + 1 - start if last + 1 - start != count else 0  # its tokens among others (tile markers)
             mask = masks[i].numpy().tobytes() if masks is not None else b""
-            inputs.append(ImageInput(image_key(data + mask, shape), start, count, shape, data, grid, length, mask))
+            key = image_key(data + mask, [*shape, -1, *grid, -1, count])  # geometry too: a grid transposed differs
+            inputs.append(ImageInput(key, start, count, shape, data, grid, length, mask))
             at += count
         return ids, inputs
 

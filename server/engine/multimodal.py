@@ -4,8 +4,8 @@ sequence, its embeddings put in the rows of its placeholder tokens.
 The API side turns a request's images into the processor's pixel values and the prompt's
 placeholder tokens (``server.api.media``); each image travels to its rank as an
 :class:`~server.engine.plan.ImageInput` with its sequence's ``SequenceAdd``, only where some of its
-tokens lie beyond the sequence's cached prefix (after a preemption too: the pixels come again and
-are encoded again). In the step they arrive (``StepPlan.encode``) every rank runs
+tokens lie beyond the sequence's cached prefix (after a preemption too: from the rank's embedding
+cache where it still holds them, else the pixels come again and are encoded again). In the step they arrive (``StepPlan.encode``) every rank runs
 :meth:`ImageEncoder.encode` over its new images at once, through transformers' own
 ``get_image_features`` of the model; where the encoder is sharded (``--mm-encoder shard``) a rank
 with none encodes a blank image, so that the encoder's all-gathers match (its forward hooks do
@@ -290,9 +290,14 @@ class ImageCacheBook:
         if image.key in held:
             held.move_to_end(image.key)
             return dataclasses.replace(image, pixels=b"", mask=b"", cached=True)
+        if image.count > self.capacity:  # larger than the whole cache: not held, and the rest kept
+            forget.append(image.key)
+            return image
+        while forget and image.key in forget:  # let go earlier in this step, held again: the rank keeps it
+            forget.remove(image.key)
         held[image.key] = image.count
         self._rows[rank] += image.count
-        while self._rows[rank] > self.capacity:  # the newest too, where it alone is larger than the cache
+        while self._rows[rank] > self.capacity:
             key, rows = held.popitem(last=False)
             self._rows[rank] -= rows
             forget.append(key)
