@@ -233,6 +233,52 @@ def test_placeholders_must_match_images(served):
     assert r.status_code == 400 and "placeholders" in r.json()["error"]["message"], r.text
 
 
+def test_a_placeholder_is_never_generated(served):
+    """``logit_bias`` all for the image token: a generated placeholder would count as an image's row
+    in a step with another sequence's image (and break the model's count), so it is never chosen,
+    while an image request runs beside it."""
+    image_token = _tokenizer(served.path).convert_tokens_to_ids("<image>")
+    results = {}
+
+    def run(name, content, **extra):
+        results[name] = _chat(served, content, logprobs=True, **extra)["choices"][0]
+
+    threads = [threading.Thread(target=run, args=("image", _parts(make_image(9)))),
+               threading.Thread(target=run, args=("biased", "The quick brown fox"),
+                                kwargs={"logit_bias": {str(image_token): 100}})]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(results) == {"image", "biased"}
+    tokens = [entry["token"] for entry in results["biased"]["logprobs"]["content"]]
+    assert len(tokens) == TOKENS and "<image>" not in tokens, tokens
+
+
+@pytest.mark.slow
+def test_an_image_its_processor_miscounts_fails_alone(llava):
+    """A processor at odds with its model (one placeholder fewer than the tower's rows): the image's
+    request fails with the reason, and the group goes on serving."""
+    import json
+    import shutil
+
+    root, path, _ = llava
+    broken = root / "miscounted"
+    shutil.copytree(path, broken)
+    config_path = broken / "processor_config.json"
+    config = json.loads(config_path.read_text())
+    config["num_additional_image_tokens"] = 0
+    config_path.write_text(json.dumps(config))
+    with ServerProcess(str(broken), extra_args=("--kv-cache-memory", "8MiB"),
+                       log_path=root / "server-miscounted.log") as server:
+        r = server.client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": _parts(make_image(1))}], "max_tokens": 2})
+        assert r.status_code == 500 and "placeholders" in r.json()["error"]["message"], r.text
+        text = _chat(server, "The quick brown fox")["choices"][0]["message"]["content"]
+        assert text
+        assert server.client.get("/health").status_code == 200
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, args", [
     (4, ("--replicate-size", "2", "--resident-units", "0")),  # every unit gathers: an idle rank gathers alone

@@ -153,7 +153,8 @@ class ImageEncoder:
         """Each image's embeddings [1 + deepstack layers, its tokens, hidden], in order: what goes in
         its placeholders' rows, then what the family adds to them in its first decoder layers (Qwen3-VL's
         deepstack; none elsewhere). Every rank calls it in a step whose plan says ``encode``, with its
-        own new images or none."""
+        own new images or none. An image's rows may not number its placeholders (a processor at odds
+        with its model): the caller checks."""
         if not self._settled:
             self._settle()
         if not images:
@@ -165,12 +166,8 @@ class ImageEncoder:
         pixels = _stack([pixel_tensor(image) for image in images]).to(self.device)
         masks = _stack([mask_tensor(image) for image in images], tile_dim=1).to(self.device) \
             if self.family.tiles else None
-        features = self._features(pixels, [image.grid for image in images if image.grid],
-                                  [image.count for image in images], masks)
-        for image, rows in zip(images, features):
-            if rows.shape[1] != image.count:
-                raise ValueError(f"an image encoded to {rows.shape[1]} embeddings for {image.count} placeholders")
-        return features
+        return self._features(pixels, [image.grid for image in images if image.grid],
+                              [image.count for image in images], masks)
 
     def _features(self, pixels: torch.Tensor, grids: list[list[int]], counts: list[int] | None,
                   masks: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -183,7 +180,9 @@ class ImageEncoder:
         deepstack = getattr(out, "deepstack_features", None) or []
         main = out.pooler_output
         if isinstance(main, torch.Tensor) and counts is not None:  # LLaVA-NeXT's: every image's rows, packed
-            main = main.reshape(-1, main.shape[-1]).split(counts)
+            main = main.reshape(-1, main.shape[-1])
+            # rows that do not add up to the placeholders: every image gets none (its sequence fails)
+            main = main.split(counts) if main.shape[0] == sum(counts) else [main[:0]] * len(counts)
         main = [rows.reshape(-1, rows.shape[-1]) for rows in main]
         return [torch.stack([rows, *(layer[i].reshape(rows.shape) for layer in deepstack)]) for i, rows in enumerate(main)]
 
@@ -263,6 +262,14 @@ class GridRope:
         grids = torch.tensor([grid for _, _, *grid in image_grids])
         positions, delta = self.base.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grids)
         return positions[:, 0], int(delta.reshape(-1)[0])
+
+
+def placeholder_ids(config) -> list[int]:
+    """The token ids that stand for an image's rows in a prompt: never generated, since the model
+    takes every one in a step's ``input_ids`` for a row of the step's images (transformers'
+    ``get_placeholder_mask`` counts them)."""
+    ids = {getattr(config, name, None) for name in ("image_token_id", "image_token_index")}
+    return sorted(i for i in ids if isinstance(i, int) and i >= 0)
 
 
 def mask_tensor(image: ImageInput) -> torch.Tensor:

@@ -28,7 +28,7 @@ from server.engine.capability import ATTENTION_LAYER_TYPES
 from server.engine.state import HYBRID_LAYER_TYPES, StatePool, StateShapes, install as install_state, \
     is_stateful_config, state_shapes
 from server.engine.mla import install as install_mla, is_mla, latent_geometry
-from server.engine.multimodal import GridRope, ImageEncoder, takes_images
+from server.engine.multimodal import GridRope, ImageEncoder, placeholder_ids, takes_images
 from server.engine.rope import install as install_rope, sequence_lengths, token_lengths
 from server.engine.sampling import BatchSampler, Row, RowMasks
 
@@ -229,6 +229,8 @@ class RankEngine:
         self.images = ImageEncoder(model, device) if takes_images(model) else None  # server.engine.multimodal
         self._grid_rope = GridRope(model) if self.images is not None and GridRope.applies(model) else None
         self._both_ways = self.images is not None and self.images.family.bidirectional
+        if self.images is not None:
+            self.sampler.never = placeholder_ids(model.config)
         # image key -> embeddings (host memory): exactly what rank 0's ImageCacheBook says this rank holds
         self.image_cache: dict[bytes, torch.Tensor] = {}
         self.memory = None  # a server.group.memory.MemoryReport, reported every few seconds
@@ -250,15 +252,16 @@ class RankEngine:
                 self.sequences_started += 1
                 if add.params.grammar is not None:
                     self._start_grammar(self.sequences[add.seq_id])
+        failed: list[TokenResult] = []  # sequences whose images cannot go in their placeholders
         if self.images is not None:
             if plan.update is not None:  # embeddings of the old weights
                 self.image_cache.clear()
             arrived = [self.sequences[add.seq_id] for add in plan.add if add.rank == self.rank and add.images]
             if plan.encode or arrived:
-                self._encode(arrived, plan.threads, plan.encode)
+                failed = self._encode(arrived, plan.threads, plan.encode)
             for key in plan.forget_images.get(self.rank, ()):  # as rank 0's ImageCacheBook says
                 self.image_cache.pop(key, None)
-        tokens: list[TokenResult] = []
+        tokens: list[TokenResult] = failed
         self._prompt_logprobs: list[PromptLogprobs] = []
         if plan.forward:
             self.forwards += 1
@@ -266,8 +269,8 @@ class RankEngine:
                 raise RuntimeError(f"injected fault in forward {self.forwards} on rank {self.rank}")
             if self.delay_s:
                 time.sleep(self.delay_s)
-            work = plan.work.get(self.rank)
-            tokens = self._forward(work, plan.threads) if work else self._idle_forward()
+            work = [w for w in plan.work.get(self.rank) or () if w.seq_id in self.sequences]  # less the failed
+            tokens += self._forward(work, plan.threads) if work else self._idle_forward()
         elif self.forwards != self._forwards_at_trim and time.monotonic() - self._trimmed_at > TRIM_WHEN_IDLE_EVERY_S:
             # idle after work: what a burst's activations left in the allocator goes back to the system
             from server.group.memory import release_freed_memory
@@ -283,10 +286,12 @@ class RankEngine:
             result.memory = self.memory.snapshot()
         return result
 
-    def _encode(self, sequences: list[_Sequence], threads: int, encode: bool) -> None:
+    def _encode(self, sequences: list[_Sequence], threads: int, encode: bool) -> list[TokenResult]:
         """The new sequences' images: those that come with pixels through the image encoder, in one
         call (every rank calls it where the plan says ``encode``), kept in the image cache; the
-        others' embeddings from the cache, where rank 0's ImageCacheBook says they are."""
+        others' embeddings from the cache, where rank 0's ImageCacheBook says they are. A sequence
+        with an image whose embeddings do not fill its placeholders (a processor at odds with its
+        model) is dropped here, before its forward: one failed result each."""
         entries = [entry for seq in sequences for entry in seq.images]
         new = [entry for entry in entries if not entry[0].cached]
         if encode:
@@ -296,6 +301,22 @@ class RankEngine:
         for entry in entries:
             if entry[0].cached:
                 entry[1] = self.image_cache[entry[0].key].to(self.device)
+        failed = []
+        for seq in sequences:
+            wrong = next(((image, rows) for image, rows in seq.images if rows.shape[1] != image.count), None)
+            if wrong is not None:
+                failed.append(TokenResult(seq.seq_id, -1, 0.0, error=(
+                    f"an image encoded to {wrong[1].shape[1]} embeddings for its {wrong[0].count} placeholders")))
+                self._drop(seq.seq_id)
+        return failed
+
+    def _drop(self, seq_id: int) -> None:
+        """Forget a sequence this rank fails (rank 0 frees its blocks when the failure arrives)."""
+        del self.sequences[seq_id]
+        if self.states is not None:
+            self.states.remove(seq_id)
+        if self._grammar_rows is not None:
+            self._grammar_rows.forget(seq_id)
 
     @torch.no_grad()
     def _idle_forward(self) -> list[TokenResult]:
@@ -407,11 +428,7 @@ class RankEngine:
             if isinstance(pick, str) or error is not None:
                 # a matcher in an error state (a limit reached) fails its sequence: never a stop
                 results.append(TokenResult(seq.seq_id, -1, 0.0, error=pick if isinstance(pick, str) else error))
-                del self.sequences[seq.seq_id]
-                if self.states is not None:
-                    self.states.remove(seq.seq_id)
-                if self._grammar_rows is not None:
-                    self._grammar_rows.forget(seq.seq_id)
+                self._drop(seq.seq_id)
                 continue
             token, logprob, top = pick
             seq.tokens.append(token)

@@ -159,8 +159,11 @@ class BatchSampler:
     n-th token, so that its output replays whatever the batch around it; greedy rows are argmax.
     Not thread-safe (one per rank, used by its engine thread)."""
 
-    def __init__(self):
+    def __init__(self, never: list[int] = ()):
         self._generator = torch.Generator()
+        # token ids no row ever chooses, whatever its biases and grammar (an image model's placeholders:
+        # server.engine.multimodal.placeholder_ids); their log-probabilities are still the model's
+        self.never = list(never)
 
     def sample(self, logits_NV: torch.Tensor, rows: list[Row],
                allowed: RowMasks | None = None) -> list[tuple[int, float, list[tuple[int, float]]]]:
@@ -174,6 +177,8 @@ class BatchSampler:
         logprobs_NV = torch.log_softmax(logits_NV, dim=-1)
         tops = {i: torch.topk(logprobs_NV[i], row.params.top_logprobs)
                 for i, row in enumerate(rows) if row.params.top_logprobs}
+        if self.never:
+            logits_NV[:, self.never] = float("-inf")
         if allowed is not None:
             if not bool(allowed.allowed_MV.any(dim=-1).all()):
                 raise ValueError("the grammar allows no token here")
