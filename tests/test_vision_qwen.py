@@ -152,6 +152,16 @@ def test_tgi_markdown_image_is_the_vision_span(served):
     assert [t["id"] for t in r.json()["details"]["tokens"]] == want
 
 
+def test_an_image_the_processor_refuses_is_a_400(served):
+    """Qwen-VL's resize refuses an aspect ratio over 200: the request's fault, not the server's."""
+    r = served.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": _parts(make_image(1, (1, 250)))}], "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages" and "processor refuses the image" in error["message"], error
+    assert served.client.get("/health").status_code == 200
+
+
 def test_positions_of_a_recomputed_sequence_continue_its_prompts(checkpoints):
     """A sequence re-added after a preemption brings its generated tokens: the model's rope index of
     the whole gives them the positions the prompt's offset gave them while they were generated."""

@@ -258,9 +258,12 @@ class ImagePrompts:
                              f"{len(images)} images", param="messages")
         if not images:
             return self.processor.tokenizer(text, add_special_tokens=special_tokens).input_ids, []
-        out = self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=special_tokens)
+        try:  # the processor's own refusals (an aspect ratio it cannot resize, ...) are the image's fault
+            out = self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=special_tokens)
+            counts = self._token_counts(images)
+        except ValueError as e:
+            raise MediaError(f"the model's processor refuses the image: {e}", param="messages") from e
         ids = out["input_ids"][0].tolist()
-        counts = self._token_counts(images)
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(positions) != sum(counts):
             raise MediaError(f"the processor made {len(positions)} image tokens for {len(images)} images "
