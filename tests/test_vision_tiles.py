@@ -121,6 +121,22 @@ def test_images_of_different_tile_counts_encode_together_as_alone(tmp_path):
         torch.testing.assert_close(rows, encoder.encode([image])[0], rtol=1e-5, atol=1e-6)
 
 
+def test_an_images_key_is_its_own_whatever_its_companions(tmp_path):
+    """The processor pads a request's images to its most tiles; an image keeps only its own, so its
+    key (and so its cache hits) does not depend on the images it came with."""
+    from transformers import AutoConfig
+
+    from server.api.media import ImagePrompts
+
+    path = write_llava_next_checkpoint(tmp_path / "llava-next")
+    prompts = ImagePrompts.load(path, AutoConfig.from_pretrained(path))
+    wide, square = make_image(7, WIDE), make_image(8, SQUARE)
+    alone = prompts.prompt("USER: <image>\nASSISTANT:", [wide])[1][0]
+    beside = prompts.prompt("USER: <image><image>\nASSISTANT:", [wide, square])[1]
+    assert beside[0].shape[1] < beside[1].shape[1]  # 3 tiles beside 5
+    assert (beside[0].key, beside[0].shape, beside[0].pixels) == (alone.key, alone.shape, alone.pixels)
+
+
 @pytest.fixture(scope="module", params=["idefics3", "smolvlm"])
 def idefics(tmp_path_factory, request):
     root = tmp_path_factory.mktemp(request.param)

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import json
 import os
 import re
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from server.http.errors import MediaError
@@ -219,8 +221,12 @@ def _per_image(pixels, masks, tiles: list[int]) -> tuple[list, list | None]:
 class ImagePrompts:
     """The model's processor: a prompt's text and images into token ids and the engine's images."""
 
-    def __init__(self, processor, image_token_id: int, span: tuple[int, int] | None = None):
+    def __init__(self, processor, image_token_id: int, span: tuple[int, int] | None = None,
+                 tiles_of: Callable[[list[int]], int] | None = None):
         self.processor, self.image_token_id = processor, image_token_id
+        # an image's own tiles from its size (LLaVA-NeXT, whose processor pads a request's images to its
+        # most tiles): what its model takes of them, so that its pixels and key are its own alone
+        self.tiles_of = tiles_of
         # what stands for an image in a prompt's text: the processor's placeholder, which it expands into
         # image tokens (Gemma 3's <start_of_image> into <image_soft_token>s; elsewhere the token itself)
         self.image_token = getattr(processor, "image_token", None) or \
@@ -238,7 +244,13 @@ class ImagePrompts:
     def load(cls, model_dir: str, config) -> ImagePrompts:
         span = (config.vision_start_token_id, config.vision_end_token_id) \
             if getattr(config, "vision_start_token_id", None) is not None else None
-        return cls(load_processor(model_dir), config.image_token_id, span)
+        tiles_of = None
+        if getattr(config, "image_grid_pinpoints", None):  # LLaVA-NeXT: the model's own count of an image's tiles
+            from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+            tiles_of = functools.partial(image_size_to_num_patches, grid_pinpoints=config.image_grid_pinpoints,
+                                         patch_size=config.vision_config.image_size)
+        return cls(load_processor(model_dir), config.image_token_id, span, tiles_of)
 
     @property
     def chat_template(self) -> str | None:
@@ -276,7 +288,9 @@ class ImagePrompts:
             pixels = pixels.split([t * h * w for t, h, w in grids])
         elif self.per_tile is not None:  # one sample's tiles, every image's in turn (Idefics3, SmolVLM)
             pixels, masks = _per_image(pixels[0], masks[0] if masks is not None else None, self._tiles(images))
-        else:  # one entry an image (LLaVA-NeXT's: its tiles)
+        else:  # one entry an image (LLaVA-NeXT's: its tiles, less the request's padding)
+            if self.tiles_of is not None:
+                pixels = [pixel[:self.tiles_of(grid)] for pixel, grid in zip(pixels, grids)]
             pixels = [pixel.unsqueeze(0) for pixel in pixels]
             masks = [mask.unsqueeze(0) for mask in masks] if masks is not None else None
         inputs, at = [], 0

@@ -18,7 +18,9 @@ from server.engine.sampling import SamplingParams
 class ImageInput:
     """One image of a prompt (``server.engine.multimodal``): the processor's pixel values for it
     (float32, C order, of ``shape``), where its ``count`` placeholder tokens start in the prompt, its
-    content's key (BLAKE2b of the pixels and their shape: the prefix cache's key for its tokens), and
+    content's key (BLAKE2b of its pixels, pixel mask, shape, geometry and token count: the prefix
+    cache's key for its tokens, and the image cache's; an image's own alone, whatever images it came
+    with), and
     its geometry where the family's encoder takes one (Qwen-VL's patch grid [t, h, w], LLaVA-NeXT's
     original size [h, w]; else empty)."""
 
