@@ -383,7 +383,8 @@ def _build_router(cfg: ServeConfig, loaded, groups, per_rank, state, device):
     limits = state.limits = _resolve_limits(cfg, loaded.config)
     whole_images = takes_images(loaded.model) and image_family(loaded.config).bidirectional
     # image embeddings each rank keeps by content (server.engine.multimodal.ImageCacheBook), in rows
-    image_rows = cfg.mm_embedding_cache // embedding_row_bytes(loaded.config) if takes_images(loaded.model) else 0
+    image_rows = cfg.mm_embedding_cache // embedding_row_bytes(
+        loaded.config, next(loaded.model.parameters()).dtype) if takes_images(loaded.model) else 0
     # a cached block holds keys and values, not a stateful layer's state after it (server.engine.state)
     prefix_caching = cfg.prefix_caching and not is_stateful_config(loaded.config)
     share = _group_share(limits.max_concurrent_requests, len(groups))

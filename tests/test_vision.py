@@ -198,6 +198,18 @@ def test_the_image_cache_book_keeps_the_most_recent_within_its_rows():
     assert not zero.take(0, image(b"a", 1), forget).cached and forget == [b"a"]  # --mm-embedding-cache 0
 
 
+def test_an_embedding_row_is_counted_in_the_served_dtype(llava):
+    import torch
+    from transformers import AutoConfig
+
+    from server.engine.multimodal import embedding_row_bytes
+
+    config = AutoConfig.from_pretrained(llava[1])  # saved in float32
+    hidden = config.get_text_config().hidden_size
+    assert embedding_row_bytes(config, torch.bfloat16) == 2 * hidden
+    assert embedding_row_bytes(config, torch.float32) == 4 * hidden
+
+
 @pytest.mark.parametrize("case, option", [
     ("count", "--max-images-per-request"),
     ("pixels", "--max-image-pixels"),
@@ -282,7 +294,7 @@ def test_an_image_its_processor_miscounts_fails_alone(llava):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, args", [
     (4, ("--replicate-size", "2", "--resident-units", "0")),  # every unit gathers: an idle rank gathers alone
-    (2, ("--mm-encoder", "replicate")),
+    (2, ("--mm-encoder", "replicate", "--mm-embedding-cache", "0")),  # and no image's embeddings kept
 ], ids=["2x2-mesh-gathering", "encoder-replicated"])
 def test_other_meshes_and_a_replicated_encoder(llava, nproc, args):
     root, path, _ = llava

@@ -321,14 +321,11 @@ class ImageCacheBook:
         self._rows = [0] * len(self._rows)
 
 
-def embedding_row_bytes(config) -> int:
-    """Host bytes of one image token's embeddings: its hidden size, and Qwen3-VL's deepstack layers too."""
-    text = config.get_text_config()
+def embedding_row_bytes(config, dtype: torch.dtype) -> int:
+    """Host bytes of one image token's embeddings in the served ``dtype``: its hidden size, and
+    Qwen3-VL's deepstack layers too."""
     layers = 1 + len(getattr(getattr(config, "vision_config", None), "deepstack_visual_indexes", None) or ())
-    dtype = getattr(text, "dtype", None) or getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return layers * text.hidden_size * torch.empty((), dtype=dtype).element_size()
+    return layers * config.get_text_config().hidden_size * torch.empty((), dtype=dtype).element_size()
 
 
 def pixel_tensor(image: ImageInput) -> torch.Tensor:

@@ -257,9 +257,10 @@ class RankEngine:
             if plan.update is not None:  # embeddings of the old weights
                 self.image_cache.clear()
             arrived = [self.sequences[add.seq_id] for add in plan.add if add.rank == self.rank and add.images]
+            forget = plan.forget_images.get(self.rank, ())  # as rank 0's ImageCacheBook says
             if plan.encode or arrived:
-                failed = self._encode(arrived, plan.threads, plan.encode)
-            for key in plan.forget_images.get(self.rank, ()):  # as rank 0's ImageCacheBook says
+                failed = self._encode(arrived, plan.threads, plan.encode, set(forget))
+            for key in forget:
                 self.image_cache.pop(key, None)
         tokens: list[TokenResult] = failed
         self._prompt_logprobs: list[PromptLogprobs] = []
@@ -286,10 +287,12 @@ class RankEngine:
             result.memory = self.memory.snapshot()
         return result
 
-    def _encode(self, sequences: list[_Sequence], threads: int, encode: bool) -> list[TokenResult]:
+    def _encode(self, sequences: list[_Sequence], threads: int, encode: bool,
+                forget: set[bytes] = frozenset()) -> list[TokenResult]:
         """The new sequences' images: those that come with pixels through the image encoder, in one
         call (every rank calls it where the plan says ``encode``), kept in the image cache; the
-        others' embeddings from the cache, where rank 0's ImageCacheBook says they are. A sequence
+        others' embeddings from the cache, where rank 0's ImageCacheBook says they are (an image it
+        lets go in this step, ``forget``, is never copied there: none is with ``--mm-embedding-cache 0``). A sequence
         with an image whose embeddings do not fill its placeholders (a processor at odds with its
         model) is dropped here, before its forward: one failed result each."""
         entries = [entry for seq in sequences for entry in seq.images]
@@ -297,7 +300,8 @@ class RankEngine:
         if encode:
             for entry, features in zip(new, self.images.encode([image for image, _ in new], threads)):
                 entry[1] = features
-                self.image_cache[entry[0].key] = features.to("cpu", copy=features.device.type != "cpu")
+                if entry[0].key not in forget:
+                    self.image_cache[entry[0].key] = features.to("cpu", copy=features.device.type != "cpu")
         for entry in entries:
             if entry[0].cached:
                 entry[1] = self.image_cache[entry[0].key].to(self.device)
