@@ -354,6 +354,37 @@ def test_a_burst_sharing_a_cached_prefix_is_spread_over_the_replicas():
     assert placed[0] and sum(placed) == 4, placed  # the cached replica first, then within one of the other
 
 
+def test_an_image_prompt_goes_to_the_replica_holding_its_image_not_only_its_tokens():
+    """The router keys a prompt as the prefix cache does (an image's placeholders by its content):
+    the replica holding the same image's blocks gets it; a different image behind the same
+    placeholder ids matches nothing there."""
+    from server.engine import BlockPool, StepGroupRouter, Scheduler
+    from server.engine.blocks import chain_hashes
+    from server.engine.multimodal import image_keyed_tokens
+    from server.engine.plan import ImageInput
+    from server.engine.sampling import SamplingParams
+    from server.engine.scheduler import RequestHandle
+
+    def replica(rank):
+        return Scheduler(pools=[BlockPool(100, 4)], replicas=[[0]], rank_ids=[rank], max_running=8,
+                         max_total_tokens=64, eos_token_ids={0})
+
+    prompt = [3, 4] + [9] * 12 + [5, 6, 7]  # 12 image tokens (id 9) between text
+    seen, other = (ImageInput(key, 2, 12, [1], b"pixels") for key in (b"seen" * 4, b"other" * 4))
+    a, b = replica(0), replica(1)
+    b.submit(RequestHandle([1, 2], SamplingParams(max_new_tokens=2), deliver=lambda event: None))  # b busier
+    keys = chain_hashes(image_keyed_tokens(prompt, [seen])[:16], 4)
+    blocks = [b.pools[0].allocate() for _ in range(4)]
+    for block, key in zip(blocks, keys):
+        b.pools[0].register(block, key)
+    b.pools[0].release(blocks)
+    router = StepGroupRouter([a, b], max_running=16, max_queued=16)
+    for image, where in ((other, a), (seen, b)):
+        h = RequestHandle(prompt, SamplingParams(max_new_tokens=2), deliver=lambda event: None, images=[image])
+        router.submit(h)
+        assert h.scheduler is where, image.key
+
+
 def test_auto_kv_pool_on_cpu_is_a_fifth_of_available_memory_split_between_the_ranks(monkeypatch):
     """``--kv-cache-memory auto`` on CPU (the suite's servers run with a fixed size, conftest.py):
     this host's MemAvailable x CPU_KV_SHARE / LOCAL_WORLD_SIZE, in whole blocks; a budget that

@@ -61,7 +61,8 @@ class StepGroupRouter:
         tokens = handle.tokens
         usable = (len(tokens) - 1) // self.block_size
         root = self.schedulers[0].prefix_root(handle)
-        keys = chain_hashes(tokens[: usable * self.block_size], self.block_size, root) if usable else []
+        # keyed as the prefix cache keys them (an image's placeholders by its content)
+        keys = chain_hashes(handle.keyed(0, usable * self.block_size), self.block_size, root) if usable else []
 
         def free(s: Scheduler) -> int:
             return sum(pool.num_available for pool in s.pools)
