@@ -6,11 +6,13 @@ Token ids only: text is the API side's business (``server.api.detokenize``). Eac
    into a new block gets one, and when its rank has none left the youngest sequence there is
    preempted (its blocks freed, its tokens recomputed later), so the cache never overflows;
 2. waiting requests are admitted in arrival order while one fits: the rank holding the longest
-   cached prefix of the prompt, then the fewest blocks in use. All of a prompt's blocks are
-   taken at admission;
+   cached prefix of the prompt, then the most of its images' embeddings (``ImageCacheBook``),
+   then the fewest blocks in use (``_place``). All of a prompt's blocks are taken at admission;
 3. prompts are computed in chunks: at most ``max_prefill_tokens`` prompt tokens per rank per
    step (on CPU shared by the prompts in flight there: ``_prefill_budgets``), new requests' first
-   chunks before the rest of longer prompts, while decodes go on.
+   chunks before the rest of longer prompts, while decodes go on. With ``whole_images`` (Gemma 3:
+   an image's tokens see one another) a chunk never ends inside an image: it is cut before the
+   image, or, where it starts at or inside one, stretched to the image's end past that cap.
 
 One per replica (``server.engine.step_groups`` routes requests between them), each planning for
 its replica's ranks (``rank_ids``: plans name global ranks) on the rank 0 thread that steps that
