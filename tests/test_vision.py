@@ -10,21 +10,16 @@ before loading."""
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 
 from tests.server_process import ServerProcess
-from tests.vision_checkpoints import image_data_url, make_image, reference_prompt_generate, \
-    reference_vlm_generate, write_llava_checkpoint
+from tests.vision_checkpoints import QUESTION, at_once, image_data_url, image_parts, make_image, \
+    reference_prompt_generate, reference_vlm_generate, write_llava_checkpoint
 
 TOKENS = 8
-QUESTION = "What is this?"
 
-
-def _parts(*images, text=QUESTION) -> list[dict]:
-    return [*({"type": "image_url", "image_url": {"url": image_data_url(i)}} for i in images),
-            {"type": "text", "text": text}]
+_parts = image_parts
 
 
 def _template_parts(count: int, text=QUESTION) -> list[dict]:
@@ -120,17 +115,10 @@ def test_image_request_beside_a_text_only_one(served):
                                         TOKENS)
     want_text = reference_vlm_generate(served.path, [{"role": "user", "content": "The quick brown fox"}], [],
                                        TOKENS)
-    results = {}
+    def answer(content):
+        return _chat(served, content)["choices"][0]["message"]["content"]
 
-    def run(name, content):
-        results[name] = _chat(served, content)["choices"][0]["message"]["content"]
-
-    threads = [threading.Thread(target=run, args=("image", _parts(image))),
-               threading.Thread(target=run, args=("text", "The quick brown fox"))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results = at_once(image=lambda: answer(_parts(image)), text=lambda: answer("The quick brown fox"))
     assert results == {"image": _text(served, want_image), "text": _text(served, want_text)}
 
 
@@ -250,18 +238,10 @@ def test_a_placeholder_is_never_generated(served):
     in a step with another sequence's image (and break the model's count), so it is never chosen,
     while an image request runs beside it."""
     image_token = _tokenizer(served.path).convert_tokens_to_ids("<image>")
-    results = {}
-
-    def run(name, content, **extra):
-        results[name] = _chat(served, content, logprobs=True, **extra)["choices"][0]
-
-    threads = [threading.Thread(target=run, args=("image", _parts(make_image(9)))),
-               threading.Thread(target=run, args=("biased", "The quick brown fox"),
-                                kwargs={"logit_bias": {str(image_token): 100}})]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results = at_once(
+        image=lambda: _chat(served, _parts(make_image(9)))["choices"][0],
+        biased=lambda: _chat(served, "The quick brown fox", logprobs=True,
+                             logit_bias={str(image_token): 100})["choices"][0])
     assert set(results) == {"image", "biased"}
     tokens = [entry["token"] for entry in results["biased"]["logprobs"]["content"]]
     assert len(tokens) == TOKENS and "<image>" not in tokens, tokens
@@ -306,13 +286,8 @@ def test_other_meshes_and_a_replicated_encoder(llava, nproc, args):
         for _ in range(2):  # each replica (or a prefix hit) answers the same
             assert _chat(server, _parts(a, b))["choices"][0]["message"]["content"] == _text(server, want)
         # an image request and a text one at once: one rank encodes while its peer only gathers
-        results = []
-        threads = [threading.Thread(target=lambda c=c: results.append(_chat(server, c)))
-                   for c in (_parts(make_image(12)), "The quick brown fox")]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        results = at_once(image=lambda: _chat(server, _parts(make_image(12))),
+                          text=lambda: _chat(server, "The quick brown fox"))
         assert len(results) == 2
 
 

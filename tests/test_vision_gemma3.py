@@ -9,21 +9,16 @@ text-only one, a repeated image (a prefix hit), and TGI's ``![](url)``."""
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 
 from tests.server_process import ServerProcess
-from tests.vision_checkpoints import image_data_url, make_image, reference_prompt_generate, \
-    reference_vlm_logprobs, write_gemma3_checkpoint
+from tests.vision_checkpoints import assert_same_answer, at_once, image_data_url, image_parts, make_image, \
+    reference_answer, reference_prompt_generate, served_answer, template_messages, write_gemma3_checkpoint
 
 TOKENS = 8
-QUESTION = "What is this?"
 
-
-def _parts(*images) -> list[dict]:
-    return [*({"type": "image_url", "image_url": {"url": image_data_url(i)}} for i in images),
-            {"type": "text", "text": QUESTION}]
+_parts = image_parts
 
 
 @pytest.fixture(scope="module")
@@ -37,24 +32,13 @@ def served(tmp_path_factory):
         yield server
 
 
-def _answer(server, content) -> tuple[list[str], list[float]]:
-    r = server.client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": content}], "max_tokens": TOKENS, "temperature": 0,
-        "logprobs": True})
-    assert r.status_code == 200, r.text
-    entries = r.json()["choices"][0]["logprobs"]["content"]
-    return [e["token"] for e in entries], [e["logprob"] for e in entries]
+def _answer(server, content):
+    return served_answer(server, content, TOKENS)
 
 
 def _check(server, images, got, content=None):
-    from transformers import AutoTokenizer
-
-    messages = [{"role": "user", "content": content if content is not None else
-                 [*({"type": "image"} for _ in images), {"type": "text", "text": QUESTION}]}]
-    ids, logprobs = reference_vlm_logprobs(server.path, messages, images, TOKENS)
-    tok = AutoTokenizer.from_pretrained(server.path)
-    assert got[0] == [tok.decode([i]) for i in ids]
-    assert max(abs(a - b) for a, b in zip(got[1], logprobs)) < 1e-4, (got[1], logprobs)
+    messages = template_messages(len(images)) if content is None else [{"role": "user", "content": content}]
+    assert_same_answer(got, reference_answer(server.path, messages, images, TOKENS))
 
 
 def test_one_image(served):
@@ -70,13 +54,7 @@ def test_two_images(served):
 
 def test_image_request_beside_a_text_only_one(served):
     image = make_image(4)
-    results = {}
-    threads = [threading.Thread(target=lambda: results.__setitem__("image", _answer(served, _parts(image)))),
-               threading.Thread(target=lambda: results.__setitem__("text", _answer(served, "The quick brown fox")))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results = at_once(image=lambda: _answer(served, _parts(image)), text=lambda: _answer(served, "The quick brown fox"))
     _check(served, [image], results["image"])
     _check(served, [], results["text"], content="The quick brown fox")
 
@@ -91,7 +69,7 @@ def test_repeated_image_hits_the_prefix_cache(served):
     before = hits()
     second = _answer(served, _parts(image))
     assert hits() - before >= 16  # past the image's 4 tokens
-    assert second[0] == first[0] and max(abs(a - b) for a, b in zip(first[1], second[1])) < 1e-4
+    assert_same_answer(second, first)
     _check(served, [image], second)
 
 

@@ -13,27 +13,21 @@ suffix after a prefix hit at the grid's positions; TGI's ``![](url)`` becomes th
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from tests.server_process import ServerProcess
-from tests.vision_checkpoints import image_data_url, make_image, reference_vlm_logprobs, write_qwen_vl_checkpoint
+from tests.vision_checkpoints import QUESTION, assert_same_answer, at_once, image_data_url, image_parts, make_image, \
+    reference_answer, served_answer, template_messages, write_qwen_vl_checkpoint
 
 TOKENS = 8
-QUESTION = "What is this?"
-TOLERANCE = 1e-4
 WIDE, TALL = (60, 40), (40, 80)  # resized to 56x84 and 56x84 turned: grids [1, 4, 6] and [1, 6, 4]
 
-
-def _parts(*images, text=QUESTION) -> list[dict]:
-    return [*({"type": "image_url", "image_url": {"url": image_data_url(i)}} for i in images),
-            {"type": "text", "text": text}]
+_parts = image_parts
 
 
 def _template(*images, text=QUESTION) -> list[dict]:
-    return [{"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}]}]
+    return template_messages(len(images), text)
 
 
 @pytest.fixture(scope="module")
@@ -52,28 +46,15 @@ def served(checkpoints, request):
         yield server
 
 
-def _answer(server, content) -> tuple[list[str], list[float], dict]:
-    r = server.client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": content}], "max_tokens": TOKENS, "temperature": 0,
-        "logprobs": True})
-    assert r.status_code == 200, r.text
-    body = r.json()
-    entries = body["choices"][0]["logprobs"]["content"]
-    return [e["token"] for e in entries], [e["logprob"] for e in entries], body["usage"]
+def _answer(server, content):
+    return served_answer(server, content, TOKENS)
 
 
 def _expect(server, images, messages=None) -> tuple[list[str], list[float]]:
-    from transformers import AutoTokenizer
-
-    ids, logprobs = reference_vlm_logprobs(server.path, messages or _template(*images), images, TOKENS)
-    tok = AutoTokenizer.from_pretrained(server.path)
-    return [tok.decode([i]) for i in ids], logprobs
+    return reference_answer(server.path, messages or _template(*images), images, TOKENS)
 
 
-def _assert_same(got, want):
-    (tokens, logprobs), (want_tokens, want_logprobs) = got[:2], want
-    assert tokens == want_tokens
-    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < TOLERANCE, (logprobs, want_logprobs)
+_assert_same = assert_same_answer
 
 
 @pytest.mark.parametrize("size", [WIDE, TALL], ids=["wide", "tall"])
@@ -98,17 +79,7 @@ def test_image_request_beside_a_text_only_one(served):
     image = make_image(4, WIDE)
     want = {"image": _expect(served, [image]),
             "text": _expect(served, [], [{"role": "user", "content": "The quick brown fox"}])}
-    results = {}
-
-    def run(name, content):
-        results[name] = _answer(served, content)
-
-    threads = [threading.Thread(target=run, args=("image", _parts(image))),
-               threading.Thread(target=run, args=("text", "The quick brown fox"))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results = at_once(image=lambda: _answer(served, _parts(image)), text=lambda: _answer(served, "The quick brown fox"))
     for name in want:
         _assert_same(results[name], want[name])
 
@@ -200,13 +171,9 @@ def test_qwen2_5_vl_on_other_meshes(checkpoints, nproc, args):
         want = _expect(server, [a, b])
         for _ in range(2):  # each replica (or a prefix hit) answers the same
             _assert_same(_answer(server, _parts(a, b)), want)
-        results = []  # an image request and a text one at once: one rank encodes while its peer only gathers
-        threads = [threading.Thread(target=lambda c=c: results.append(_answer(server, c)))
-                   for c in (_parts(make_image(10, WIDE)), "The quick brown fox")]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        # an image request and a text one at once: one rank encodes while its peer only gathers
+        results = at_once(image=lambda: _answer(server, _parts(make_image(10, WIDE))),
+                          text=lambda: _answer(server, "The quick brown fox"))
         assert len(results) == 2
 
 

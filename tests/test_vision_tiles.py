@@ -17,22 +17,17 @@ end among an image's tiles: the same equalities, for one and two images.
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 
 from tests.server_process import ServerProcess
-from tests.vision_checkpoints import image_data_url, make_image, reference_vlm_logprobs, write_idefics3_checkpoint, \
-    write_llava_next_checkpoint
+from tests.vision_checkpoints import assert_same_answer, at_once, image_parts, make_image, reference_answer, \
+    served_answer, template_messages, write_idefics3_checkpoint, write_llava_next_checkpoint
 
 TOKENS = 8
-QUESTION = "What is this?"
 WIDE, TALL, SQUARE = (60, 30), (30, 60), (50, 50)
 
-
-def _parts(*images) -> list[dict]:
-    return [*({"type": "image_url", "image_url": {"url": image_data_url(i)}} for i in images),
-            {"type": "text", "text": QUESTION}]
+_parts = image_parts
 
 
 @pytest.fixture(scope="module")
@@ -46,24 +41,12 @@ def served(tmp_path_factory):
         yield server
 
 
-def _answer(server, content) -> tuple[list[str], list[float]]:
-    r = server.client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": content}], "max_tokens": TOKENS, "temperature": 0,
-        "logprobs": True})
-    assert r.status_code == 200, r.text
-    entries = r.json()["choices"][0]["logprobs"]["content"]
-    return [e["token"] for e in entries], [e["logprob"] for e in entries]
+def _answer(server, content):
+    return served_answer(server, content, TOKENS)
 
 
 def _check(server, images, got):
-    from transformers import AutoTokenizer
-
-    messages = [{"role": "user", "content": [*({"type": "image"} for _ in images),
-                                             {"type": "text", "text": QUESTION}]}]
-    ids, logprobs = reference_vlm_logprobs(server.path, messages, images, TOKENS)
-    tok = AutoTokenizer.from_pretrained(server.path)
-    assert got[0] == [tok.decode([i]) for i in ids]
-    assert max(abs(a - b) for a, b in zip(got[1], logprobs)) < 1e-4, (got[1], logprobs)
+    assert_same_answer(got, reference_answer(server.path, template_messages(len(images)), images, TOKENS))
 
 
 @pytest.mark.parametrize("size", [WIDE, TALL, SQUARE], ids=["wide", "tall", "square"])
@@ -79,15 +62,9 @@ def test_two_images_of_different_tile_counts(served):
 
 def test_two_requests_encoded_in_one_step(served):
     images = [make_image(4, WIDE), make_image(5, SQUARE)]
-    results = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _answer(served, _parts(images[i]))))
-               for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    for i, image in enumerate(images):
-        _check(served, [image], results[i])
+    results = at_once(wide=lambda: _answer(served, _parts(images[0])), square=lambda: _answer(served, _parts(images[1])))
+    for name, image in zip(("wide", "square"), images):
+        _check(served, [image], results[name])
 
 
 def test_repeated_image_hits_the_prefix_cache(served):

@@ -432,3 +432,60 @@ def reference_vlm_logprobs(path, messages, images, max_new_tokens: int = 16) -> 
     ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
     logprobs = [torch.log_softmax(scores[0].float(), -1)[token].item() for scores, token in zip(out.logits, ids)]
     return ids, logprobs
+
+
+# -- served answers against the reference ----------------------------------------------------------
+
+QUESTION = "What is this?"
+TOLERANCE = 1e-4  # on log-probabilities, served against transformers'
+
+
+def image_parts(*images, text: str = QUESTION) -> list[dict]:
+    """OpenAI chat content: each image as a data: URL part, then ``text``."""
+    return [*({"type": "image_url", "image_url": {"url": image_data_url(i)}} for i in images),
+            {"type": "text", "text": text}]
+
+
+def template_messages(count: int, text: str = QUESTION) -> list[dict]:
+    """The chat messages transformers' template renders for ``count`` images and ``text``."""
+    return [{"role": "user", "content": [*({"type": "image"} for _ in range(count)), {"type": "text", "text": text}]}]
+
+
+def served_answer(server, content, max_tokens: int) -> tuple[list[str], list[float], dict]:
+    """A greedy chat answer's tokens, their log-probabilities and its usage."""
+    r = server.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
+        "logprobs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    entries = body["choices"][0]["logprobs"]["content"]
+    return [e["token"] for e in entries], [e["logprob"] for e in entries], body["usage"]
+
+
+def reference_answer(path, messages, images, max_tokens: int) -> tuple[list[str], list[float]]:
+    """transformers' greedy answer as ``served_answer`` gives it: tokens as text, log-probabilities."""
+    from transformers import AutoTokenizer
+
+    ids, logprobs = reference_vlm_logprobs(path, messages, images, max_tokens)
+    tok = AutoTokenizer.from_pretrained(path)
+    return [tok.decode([i]) for i in ids], logprobs
+
+
+def assert_same_answer(got, want, tolerance: float = TOLERANCE) -> None:
+    (tokens, logprobs), (want_tokens, want_logprobs) = got[:2], want[:2]
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < tolerance, (logprobs, want_logprobs)
+
+
+def at_once(**calls) -> dict:
+    """Each call (a function of nothing) in a thread of its own, all started together: their
+    results by name (a call that raised has none)."""
+    import threading
+
+    results = {}
+    threads = [threading.Thread(target=lambda n=name, f=call: results.__setitem__(n, f())) for name, call in calls.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
