@@ -471,3 +471,52 @@ def test_compiled_layers_over_quantized_layers_equal_eager(tmp_path):
     for name, result in got.items():
         assert result["compiled"] == result["eager"], (name, result)
         assert {1, 2, 3} <= set(result["batches"]) and result["whole_steps"] >= 1, (name, result)
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
+def test_quantized_experts_dequantize_only_the_routed_ones(monkeypatch, implementation):
+    """A forward dequantizes the experts its tokens route to, not the layer's every expert, and its
+    output is the same bit for bit as the whole stacked weight's (each of transformers' experts
+    implementations); biases (gpt-oss's) are taken for the routed experts too."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    import loaders.quantization.experts as experts_module
+    from loaders.quantization.experts import FUSED_PROJECTIONS, _quantized_class
+
+    config = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2)
+    config._experts_implementation = implementation
+    torch.manual_seed(0)
+    dense = Qwen3MoeExperts(config).eval()
+    quantized = Qwen3MoeExperts(config).eval()
+    # each expert's e4m3 weight and block scales (gate and up each with its own scale rows), stacked;
+    # the dense module holds exactly their dequantization
+    for proj, parts in (("gate_up_proj", 2), ("down_proj", 1)):
+        fp8, scales = [], []
+        for expert in getattr(dense, proj).data.normal_():
+            pieces = [qc.quantize_fp8_block(piece, (16, 16)) for piece in expert.chunk(parts, dim=0)]
+            fp8.append(torch.cat([p[0] for p in pieces]))
+            scales.append(torch.cat([p[1] for p in pieces]))
+        fp8, scales = torch.stack(fp8), torch.stack(scales)
+        delattr(quantized, proj)
+        quantized.register_parameter(f"{proj}_fp8", torch.nn.Parameter(fp8, requires_grad=False))
+        quantized.register_parameter(f"{proj}_scale_inv", torch.nn.Parameter(scales, requires_grad=False))
+        getattr(dense, proj).data = torch.stack([
+            torch.cat([qc.dequantize_fp8_block(f, s, (16, 16)) for f, s in zip(f8.chunk(parts), sc.chunk(parts))])
+            for f8, sc in zip(fp8, scales)])
+    quantized.experts_dtype, quantized.fp8_block = torch.float32, (16, 16)
+    quantized.fp8_parts = {"gate_up_proj": 2, "down_proj": 1}
+    quantized.__class__ = _quantized_class(Qwen3MoeExperts, "FP8", FUSED_PROJECTIONS)
+
+    seen = []
+    real = experts_module.dequantize_fp8_block
+    monkeypatch.setattr(experts_module, "dequantize_fp8_block",
+                        lambda weight, *args, **kwargs: seen.append(weight.shape[0]) or real(weight, *args, **kwargs))
+    hidden = torch.randn(3, 32)
+    top_k = torch.tensor([[5, 1], [1, 6], [6, 5]])  # 3 of the 8 experts
+    weights = torch.rand(3, 2)
+    with torch.no_grad():
+        got, want = quantized(hidden, top_k, weights), dense(hidden, top_k, weights)
+    assert torch.equal(got, want)
+    assert seen and set(seen) == {3}, seen  # each dequantization took the 3 routed experts only
+    assert quantized.num_experts == 8 and quantized.__dict__["_routed_experts"] is None

@@ -23,11 +23,13 @@ store them quantized:
 Either way the new parameters are ordinary parameters of the unit, sharded by their first
 dimension (the experts: each rank reads and holds its experts' quantized tensors, scales whole
 with their experts) and gathered as stored. The module's class becomes a subclass whose fused
-names are properties: the whole stacked weight dequantized, in the model's dtype, each time the
-forward reads it. transformers' experts forwards (``grouped_mm``, ``batched_mm``: the default on
-every device) read each once a forward; its per-expert ``eager`` loop would dequantize once per
-expert it visits. So greedy output equals transformers' load of the checkpoint (which
-dequantizes on CPU) bit for bit in float32.
+names are properties: the stacked weight of the experts this forward routes to, dequantized in
+the model's dtype, each time the forward reads it (``_routed_forward`` renumbers the routed experts
+for the call, so a decode step dequantizes its tokens' top-k experts, not all of the layer's: with
+DeepSeek-V3's 256 experts a layer's whole would be 22 GB in bf16). transformers' experts forwards
+(``grouped_mm``, ``batched_mm``: the default on every device) read each once a forward; its
+per-expert ``eager`` loop would dequantize once per expert it visits. Greedy output equals
+transformers' load of the checkpoint (which dequantizes on CPU) bit for bit in float32.
 """
 
 from __future__ import annotations
@@ -56,37 +58,80 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return values.reshape(*blocks.shape[:-2], -1).transpose(1, 2).contiguous()
 
 
+def _routed(module: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s rows of the experts this forward routes to (all outside one: ``_routed_forward``)."""
+    routed = module.__dict__.get("_routed_experts")
+    return tensor if routed is None else tensor.index_select(0, routed)
+
+
 def _dequantized_mxfp4(proj: str):
     def weight(self) -> torch.Tensor:
-        return dequantize_mxfp4(getattr(self, f"{proj}_blocks"), getattr(self, f"{proj}_scales"),
-                                self.experts_dtype)
+        return dequantize_mxfp4(_routed(self, getattr(self, f"{proj}_blocks")),
+                                _routed(self, getattr(self, f"{proj}_scales")), self.experts_dtype)
 
-    return property(weight, doc=f"``{proj}`` dequantized from its MXFP4 blocks and scales, for this forward")
+    return property(weight, doc=f"``{proj}`` of the routed experts, dequantized from MXFP4 blocks and scales")
 
 
 def _dequantized_fp8(proj: str):
     def weight(self) -> torch.Tensor:
-        return dequantize_fp8_block(getattr(self, f"{proj}_fp8"), getattr(self, f"{proj}_scale_inv"),
+        return dequantize_fp8_block(_routed(self, getattr(self, f"{proj}_fp8")),
+                                    _routed(self, getattr(self, f"{proj}_scale_inv")),
                                     self.fp8_block, parts=self.fp8_parts[proj]).to(self.experts_dtype)
 
-    return property(weight, doc=f"``{proj}`` dequantized from its e4m3 weight and block scales, for this forward")
+    return property(weight, doc=f"``{proj}`` of the routed experts, dequantized from e4m3 and block scales")
+
+
+def _routed_bias(name: str):
+    def bias(self) -> torch.Tensor:
+        return _routed(self, self._parameters[name])
+
+    return property(bias, doc=f"``{name}`` of the routed experts")
+
+
+def _routed_forward(forward):
+    """``forward`` (transformers' experts forward: hidden states, each token's experts, their
+    weights) over the experts the tokens route to only: their ids renumbered 0..U-1 in order, and
+    ``num_experts`` U for the call, so that every implementation (``grouped_mm``, ``batched_mm``,
+    ``eager``) reads U dequantized experts where it read them all. Dequantizing is elementwise, and
+    each expert's products are the same whichever the others, so the output is the same bit for bit;
+    a decode step dequantizes top-k experts a token, not every expert of the layer. Inside a
+    compiled graph (whose shapes cannot follow the routing) every expert is dequantized, as before."""
+    def routed_forward(self, hidden_states, top_k_index, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return forward(self, hidden_states, top_k_index, *args, **kwargs)
+        routed, renumbered = torch.unique(top_k_index, return_inverse=True)
+        experts = self.num_experts
+        self.__dict__["_routed_experts"], self.num_experts = routed, routed.numel()
+        try:
+            return forward(self, hidden_states, renumbered.reshape(top_k_index.shape), *args, **kwargs)
+        finally:
+            self.__dict__["_routed_experts"], self.num_experts = None, experts
+
+    return routed_forward
 
 
 _SUBCLASSES: dict[tuple[type, str, tuple[str, ...]], type] = {}
 
 
-def _quantized_class(cls: type, kind: str, projections: tuple[str, ...]) -> type:
-    """``cls`` with ``projections`` read through the ``kind`` (``MXFP4`` or ``FP8``) dequantization
-    (one subclass per class, kind and set)."""
-    key = (cls, kind, projections)
+def _quantized_class(cls: type, kind: str, projections: tuple[str, ...], biases: tuple[str, ...] = ()) -> type:
+    """``cls`` with ``projections`` read through the ``kind`` (``MXFP4`` or ``FP8``) dequantization,
+    of the routed experts only (``biases``: its per-expert bias parameters, read likewise) (one
+    subclass per class, kind and set)."""
+    key = (cls, kind, projections, biases)
     if key not in _SUBCLASSES:
         name = f"{kind}{cls.__name__}" + ("" if projections == FUSED_PROJECTIONS else "_" + "_".join(projections))
         getter = _dequantized_mxfp4 if kind == "MXFP4" else _dequantized_fp8
-        subclass = type(name, (cls,), {**{p: getter(p) for p in projections}, "__module__": __name__})
+        subclass = type(name, (cls,), {**{p: getter(p) for p in projections}, **{b: _routed_bias(b) for b in biases},
+                                       "forward": _routed_forward(cls.forward), "__module__": __name__})
         # importable by name, as pickle finds classes (compiled graphs saved to disk name their modules' classes)
         globals()[name] = subclass
         _SUBCLASSES[key] = subclass
     return _SUBCLASSES[key]
+
+
+def _expert_biases(module: nn.Module) -> tuple[str, ...]:
+    """The module's per-expert bias parameters (gpt-oss's ``gate_up_proj_bias``, ``down_proj_bias``)."""
+    return tuple(f"{p}_bias" for p in FUSED_PROJECTIONS if f"{p}_bias" in module._parameters)
 
 
 def quantize_fused_experts(model: nn.Module, stored: dict[str, tuple[tuple[int, ...], torch.dtype]],
@@ -123,7 +168,7 @@ def quantize_fused_experts(model: nn.Module, stored: dict[str, tuple[tuple[int, 
         module.experts_dtype = dtypes.pop()
         module.row_sharded = tuple(f"{p}_{part}" for p in projections for part in ("blocks", "scales"))
         module.quantized_tensor_names = module.row_sharded
-        module.__class__ = _quantized_class(type(module), "MXFP4", tuple(projections))
+        module.__class__ = _quantized_class(type(module), "MXFP4", tuple(projections), _expert_biases(module))
         changed += 1
     return changed
 
@@ -183,6 +228,6 @@ def quantize_fp8_experts(model: nn.Module, fused: dict[str, tuple[list[str], int
         module.fp8_block, module.fp8_parts = tuple(block), parts_of
         module.row_sharded = tuple(f"{p}{suffix}" for p in projections for suffix in ("_fp8", "_scale_inv"))
         module.quantized_tensor_names = module.row_sharded
-        module.__class__ = _quantized_class(type(module), "FP8", tuple(projections))
+        module.__class__ = _quantized_class(type(module), "FP8", tuple(projections), _expert_biases(module))
         changed += 1
     return changed, taken

@@ -299,6 +299,10 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
         return torch.cat([dequantize_fp8_block(w, s, block) for w, s in
                           zip(weight.chunk(parts, dim=-2), scale_inv.chunk(parts, dim=-2))], dim=-2)
     rows, cols = weight.shape[-2:]
+    if rows % block[0] == 0 and cols % block[1] == 0:  # whole blocks: each scale broadcast over its block
+        lead = weight.shape[:-2]
+        blocks = weight.reshape(*lead, rows // block[0], block[0], cols // block[1], block[1]).to(torch.float32)
+        return blocks.mul_(scale_inv.to(torch.float32)[..., :, None, :, None]).reshape(*lead, rows, cols)
     scales = scale_inv.to(torch.float32).repeat_interleave(block[0], -2)[..., :rows, :]
     scales = scales.repeat_interleave(block[1], -1)[..., :cols]
     return weight.to(torch.float32) * scales
