@@ -57,12 +57,29 @@ def moe_fp8_checkpoint(out_dir: str | None = None) -> str:
     """A Qwen3-MoE of 64 experts, 8 routed a token (DeepSeek-V3's 256 and 8 at a quarter; hidden 512,
     experts of 256, 4 layers), every projection stored as DeepSeek-V3 and Qwen3-MoE-FP8 ship them:
     e4m3 in 128x128 blocks with float32 scales (``tests.quantized_checkpoints.write_fp8_block``)."""
+    from tests.quantized_checkpoints import write_fp8_block
+
+    return _quantized_moe(out_dir or "bench-qwen3-moe-fp8-64x8-v1",
+                          lambda out, base: write_fp8_block(out, base=base, block=(128, 128), experts=True,
+                                                            max_shard_size="40MB"))
+
+
+def moe_w4a16_checkpoint(out_dir: str | None = None) -> str:
+    """The MoE of :func:`moe_fp8_checkpoint` as llm-compressor's W4A16 writes it: compressed-tensors
+    pack-quantized INT4, symmetric, groups of 128 (``tests.quantized_checkpoints.write_compressed_experts``)."""
+    from tests.quantized_checkpoints import write_compressed_experts
+
+    return _quantized_moe(out_dir or "bench-qwen3-moe-w4a16-64x8-v1",
+                          lambda out, base: write_compressed_experts(out, base=base, num_bits=4, group_size=128,
+                                                                     max_shard_size="40MB"))
+
+
+def _quantized_moe(out_dir: str, write) -> str:
     from transformers import Qwen3MoeConfig
 
     from loaders.sources.default_model import cache_root
-    from tests.quantized_checkpoints import write_fp8_block
 
-    out_dir = os.path.join(cache_root(), out_dir or "bench-qwen3-moe-fp8-64x8-v1")
+    out_dir = os.path.join(cache_root(), out_dir)
     if os.path.isfile(os.path.join(out_dir, ".complete")):
         return out_dir
     base = _checkpoint("bench-qwen3-moe-64x8-v1", Qwen3MoeConfig, max_shard_size="40MB", dtype=torch.float32,
@@ -70,7 +87,7 @@ def moe_fp8_checkpoint(out_dir: str | None = None) -> str:
                        num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_experts=64,
                        num_experts_per_tok=8, norm_topk_prob=True)
     shutil.rmtree(out_dir, ignore_errors=True)
-    write_fp8_block(out_dir, base=base, block=(128, 128), experts=True, max_shard_size="40MB")
+    write(out_dir, base)
     open(os.path.join(out_dir, ".complete"), "w").close()
     return out_dir
 

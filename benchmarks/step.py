@@ -1,6 +1,6 @@
 """The sharded decode step against its floor, on CPU ranks (gloo).
 
-    python -m benchmarks.step [--model DIR|deep-tiny|mla-tiny|gqa-tiny|moe-fp8] [--nproc 2] [--batches 1,16] [--context 48] [--steps 24]
+    python -m benchmarks.step [--model DIR|deep-tiny|mla-tiny|gqa-tiny|moe-fp8|moe-w4a16] [--nproc 2] [--batches 1,16] [--context 48] [--steps 24]
                               [--modes sharded,prefetch1,prefetch,shm,resident] [--repeats 3] [--profile DIR]
 
 Each rank loads the checkpoint sharded (load_hsdp_model), owns ``batch`` sequences of ``context``
@@ -45,7 +45,7 @@ import time
 import torch
 
 from benchmarks.models import (bench_checkpoint, compute_dtype, deep_tiny_checkpoint, gqa_checkpoint, mla_checkpoint,
-                               moe_fp8_checkpoint, parameter_count)
+                               moe_fp8_checkpoint, moe_w4a16_checkpoint, parameter_count)
 from tests.dist import run_ranks, values
 
 MODES = ("sharded", "prefetch1", "prefetch", "shm", "resident", "shared", "compiled", "compiled-model")
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="checkpoint directory, or deep-tiny (the 24-layer 1M Llama, "
                         "benchmarks.models.deep_tiny_checkpoint), mla-tiny / gqa-tiny (DeepSeek-V3-shaped latent "
                         "attention and a Llama of its size: the MLA step against GQA's), moe-fp8 (a Qwen3-MoE of "
-                        "64 experts, 8 a token, stored in FP8 blocks) (default: the 80M bench Llama; each generated once)")
+                        "64 experts, 8 a token, stored in FP8 blocks), moe-w4a16 (the same as compressed-tensors INT4) (default: the 80M bench Llama; each generated once)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--batches", default="1,16", help="per-rank batch sizes (default 1,16)")
     parser.add_argument("--context", type=int, default=48, help="prompt tokens per sequence (default 48)")
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}")
     named = {"deep-tiny": deep_tiny_checkpoint, "mla-tiny": mla_checkpoint, "gqa-tiny": gqa_checkpoint,
-             "moe-fp8": moe_fp8_checkpoint}
+             "moe-fp8": moe_fp8_checkpoint, "moe-w4a16": moe_w4a16_checkpoint}
     model_dir = named[args.model]() if args.model in named else args.model or bench_checkpoint()
     dtype = compute_dtype(args.dtype)
     if args.profile:

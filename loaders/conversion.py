@@ -141,28 +141,34 @@ def _nothing_to_convert(tensors, expected: dict[str, torch.Tensor]) -> bool:
     return True
 
 
-QUANTIZED_COMPANIONS = {"_fp8": ".weight", "_scale_inv": ".weight_scale_inv"}
+QUANTIZED_COMPANIONS = {
+    "_scale_inv": {"_fp8": ".weight", "_scale_inv": ".weight_scale_inv"},
+    "_packed_scale": {"_packed": ".weight_packed", "_packed_scale": ".weight_scale", "_packed_shape": ".weight_shape"},
+}
 """How a fused parameter stored quantized by experts is named in the model (the suffix on the
-converter's target) and in the checkpoint (the suffix on each source, in place of ``.weight``):
-fp8 experts' e4m3 weights and block scales (:func:`loaders.quantization.experts.quantize_fp8_experts`)."""
+converter's target; the first key: the parameter that says the target is held so) and in the
+checkpoint (the suffix on each source, in place of ``.weight``): fp8 experts' e4m3 weights and
+block scales (:func:`loaders.quantization.experts.quantize_fp8_experts`), and compressed-tensors'
+packed experts' codes, scales and shapes (:func:`~loaders.quantization.experts.quantize_packed_experts`)."""
 
 
 def _with_quantized_companions(converters: list, model: nn.Module) -> list:
     """The model's converters, where a converter's target is held quantized (the model has
-    ``<target>_scale_inv``) replaced by one copy per stored tensor, each with the same chain: the
-    experts' weights into ``<target>_fp8``, their scales into ``<target>_scale_inv``. As
-    transformers' quantizers copy a converter for the scales a module keeps
-    (``HfQuantizer.update_weight_conversions``)."""
+    ``<target>_scale_inv`` or ``<target>_packed_scale``) replaced by one copy per stored tensor,
+    each with the same chain: for fp8 the experts' weights into ``<target>_fp8`` and their scales
+    into ``<target>_scale_inv``; for packed experts their codes, scales and shapes. As transformers'
+    quantizers copy a converter for the scales a module keeps (``HfQuantizer.update_weight_conversions``)."""
     names = "\n".join(name for name, _ in model.named_parameters())
     out = []
     for converter in converters:
         sources, targets = list(converter.source_patterns), list(converter.target_patterns)
-        quantized = (len(targets) == 1 and all(s.endswith(".weight") for s in sources)
-                     and re.search(re.escape(targets[0]) + "_scale_inv$", names, re.MULTILINE))
-        if not quantized:
+        companions = next((c for marker, c in QUANTIZED_COMPANIONS.items()
+                           if len(targets) == 1 and all(s.endswith(".weight") for s in sources)
+                           and re.search(re.escape(targets[0]) + marker + "$", names, re.MULTILINE)), None)
+        if companions is None:
             out.append(converter)
             continue
-        for suffix, stored in QUANTIZED_COMPANIONS.items():
+        for suffix, stored in companions.items():
             out.append(converter.copy([s.removesuffix(".weight") + stored for s in sources], [targets[0] + suffix],
                                       operations=copy.deepcopy(list(converter.operations))))
     return out

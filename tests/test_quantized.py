@@ -520,3 +520,73 @@ def test_quantized_experts_dequantize_only_the_routed_ones(monkeypatch, implemen
     assert torch.equal(got, want)
     assert seen and set(seen) == {3}, seen  # each dequantization took the 3 routed experts only
     assert quantized.num_experts == 8 and quantized.__dict__["_routed_experts"] is None
+
+
+def _load_packed_experts(rank, world_size, path, mesh):
+    from torch.distributed.tensor import DTensor
+
+    from loaders import load_hsdp_model
+    from loaders.quantization import quantized_bytes
+    from shard_engine import HSDPInferenceConfig
+
+    loaded = load_hsdp_model(path, HSDPInferenceConfig(replicate_size=mesh[0], shard_size=mesh[1]), dtype="float32")
+    experts = loaded.model.model.layers[1].mlp.experts
+    own = dict(experts.named_parameters(recurse=False))
+    assert "gate_up_proj" not in own and isinstance(own["gate_up_proj_packed"], DTensor), sorted(own)
+    return {"ids": [generate_ids(loaded.model, loaded.tokenizer, p, TOKENS) for p in PROMPTS],
+            "stored": {n: (tuple(p.to_local().shape), p.dtype) for n, p in own.items()},
+            "held": quantized_bytes(loaded.model), "bytes_read": loaded.stats.bytes_read,
+            "checkpoint_bytes": loaded.stats.checkpoint_bytes, "layers": loaded.stats.quantized_layers}
+
+
+@pytest.mark.parametrize("bits,group,mesh", [(4, 16, (1, 2)), (8, None, (1, 3)), (4, 16, (2, 2))],
+                         ids=["w4a16-2-ranks", "w8a16-channel-3-ranks", "w4a16-2x2"])
+def test_compressed_tensors_packed_experts_equal_transformers_and_are_sharded_by_experts(tmp_path, bits, group, mesh):
+    """llm-compressor's W4A16 (W8A16) of a MoE: every projection, each expert's under its own name,
+    compressed-tensors ``pack-quantized`` (codes in int32, a scale per group or channel, its shape).
+    Greedy output equals transformers' own load (it decompresses every expert at load) in float32;
+    the experts stay packed, stacked, each rank holding its experts' codes and scales and reading
+    about 1/S of the checkpoint; attention's linears are QuantizedLinears of the same format."""
+    base = write_checkpoint(tmp_path / "base", "qwen3_moe")
+    path = qc.write_compressed_experts(tmp_path / "packed", base=base, num_bits=bits, group_size=group)
+    reference = reference_generate(path, max_new_tokens=TOKENS)
+    results = values(run_ranks(_load_packed_experts, mesh[0] * mesh[1], tmp_path, path, mesh, timeout=300))
+    experts = [-(-4 // mesh[1])] * (mesh[1] - 1)
+    experts.append(4 - sum(experts))
+    groups = 64 // group if group else 1
+    for rank, got in enumerate(results):
+        assert got["ids"] == reference, (rank, got["ids"], reference)
+        local = experts[rank % mesh[1]]
+        # gate's and up's 32 rows each, stacked; 64 inputs packed 32 // bits a word
+        assert got["stored"]["gate_up_proj_packed"] == ((local, 64, 64 * bits // 32), torch.int32), got["stored"]
+        assert got["stored"]["gate_up_proj_packed_scale"] == ((local, 64, groups), torch.float32), got["stored"]
+        assert got["stored"]["down_proj_packed"] == ((local, 64, 32 * bits // 32), torch.int32), got["stored"]
+        assert got["layers"][f"pack-quantized: int{bits} {'group 16' if group else 'per channel'} experts"] == 2, \
+            got["layers"]
+        assert any(what.startswith("pack-quantized") and "experts" not in what for what in got["layers"]), got["layers"]
+        assert got["bytes_read"] < 1.15 * got["checkpoint_bytes"] / mesh[1], got
+
+
+def test_packed_experts_of_a_format_not_served_are_refused_naming_the_tensor():
+    """Asymmetric (zero points) pack-quantized experts: refused before reading, naming the tensor."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from loaders.errors import CheckpointError
+    from loaders.quantization import quantization_plan
+    from loaders.quantization.experts import quantize_packed_experts
+
+    plan = quantization_plan({"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"a": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "strategy": "group", "group_size": 16, "symmetric": False}}}}})
+    config = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=2, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    prefix = "model.layers.0.mlp.experts"
+    sources = [f"{prefix}.{e}.{p}.weight" for p in ("gate_proj", "up_proj") for e in range(2)]
+    stored = {f"{s}_{t}": (shape, dtype) for s in sources for t, shape, dtype in (
+        ("packed", (16, 4), torch.int32), ("scale", (16, 2), torch.float32), ("shape", (2,), torch.int64),
+        ("zero_point", (2, 2), torch.int32))}
+    with pytest.raises(CheckpointError, match=r"asymmetric\) is not served for experts.*experts.0.gate_proj.weight_packed"):
+        quantize_packed_experts(model, plan, {f"{prefix}.gate_up_proj": (sources, 2)}, stored)

@@ -81,6 +81,37 @@ def _dequantized_fp8(proj: str):
     return property(weight, doc=f"``{proj}`` of the routed experts, dequantized from e4m3 and block scales")
 
 
+def _dequantized_packed(proj: str):
+    def weight(self) -> torch.Tensor:
+        packed = _routed(self, getattr(self, f"{proj}_packed"))
+        scales = _routed(self, getattr(self, f"{proj}_packed_scale"))
+        columns = self.packed_columns[proj]
+        if not self.__dict__.get("_shapes_checked"):
+            _check_packed_shapes(self)
+        # compressed-tensors' own decompression, in one call: by groups or channels every row stands alone, so
+        # the experts' linears (and gate's and up's parts) decompress as the rows of one linear, bit for bit
+        experts, rows = packed.shape[:2]
+        weight = self.packed_compressor.decompress(
+            {"weight_packed": packed.reshape(experts * rows, -1), "weight_scale": scales.reshape(experts * rows, -1),
+             "weight_shape": torch.Size((experts * rows, columns))}, self.packed_scheme)["weight"]
+        return weight.reshape(experts, rows, columns).to(self.experts_dtype)
+
+    return property(weight, doc=f"``{proj}`` of the routed experts, decompressed from their packed codes and scales")
+
+
+def _check_packed_shapes(module: nn.Module) -> None:
+    """Each expert's stored ``weight_shape`` against the layer's (once, at the first forward)."""
+    for proj, parts in module.packed_parts.items():
+        shapes = getattr(module, f"{proj}_packed_shape")
+        if shapes.device.type == "meta":
+            return
+        want = [module.__dict__[f"_{proj}_rows"] // parts, module.packed_columns[proj]] * parts
+        for row in shapes.tolist():
+            if row != want:
+                raise CheckpointError(f"an expert's weight_shape {row} != the layer's {want} ({proj})")
+    module.__dict__["_shapes_checked"] = True
+
+
 def _routed_bias(name: str):
     def bias(self) -> torch.Tensor:
         return _routed(self, self._parameters[name])
@@ -114,13 +145,13 @@ _SUBCLASSES: dict[tuple[type, str, tuple[str, ...]], type] = {}
 
 
 def _quantized_class(cls: type, kind: str, projections: tuple[str, ...], biases: tuple[str, ...] = ()) -> type:
-    """``cls`` with ``projections`` read through the ``kind`` (``MXFP4`` or ``FP8``) dequantization,
+    """``cls`` with ``projections`` read through the ``kind`` (``MXFP4``, ``FP8`` or ``Packed``) dequantization,
     of the routed experts only (``biases``: its per-expert bias parameters, read likewise) (one
     subclass per class, kind and set)."""
     key = (cls, kind, projections, biases)
     if key not in _SUBCLASSES:
         name = f"{kind}{cls.__name__}" + ("" if projections == FUSED_PROJECTIONS else "_" + "_".join(projections))
-        getter = _dequantized_mxfp4 if kind == "MXFP4" else _dequantized_fp8
+        getter = {"MXFP4": _dequantized_mxfp4, "FP8": _dequantized_fp8, "Packed": _dequantized_packed}[kind]
         subclass = type(name, (cls,), {**{p: getter(p) for p in projections}, **{b: _routed_bias(b) for b in biases},
                                        "forward": _routed_forward(cls.forward), "__module__": __name__})
         # importable by name, as pickle finds classes (compiled graphs saved to disk name their modules' classes)
@@ -231,3 +262,84 @@ def quantize_fp8_experts(model: nn.Module, fused: dict[str, tuple[list[str], int
         module.__class__ = _quantized_class(type(module), "FP8", tuple(projections), _expert_biases(module))
         changed += 1
     return changed, taken
+
+
+def quantize_packed_experts(model: nn.Module, plan, fused: dict[str, tuple[list[str], int]],
+                            stored: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                            path: str | None = None) -> tuple[dict[str, int], set[str]]:
+    """Swap, in the meta skeleton ``model``, each fused experts parameter whose checkpoint sources
+    are compressed-tensors ``pack-quantized`` linears (each expert's ``weight_packed``,
+    ``weight_scale``, ``weight_shape``: llm-compressor's W4A16 and W8A16 of Qwen3-MoE, DeepSeek, ...)
+    for ``<proj>_packed`` (the stacked int32 codes, as stored), ``<proj>_packed_scale`` and
+    ``<proj>_packed_shape``. ``plan``: the checkpoint's QuantizationPlan, whose format for each
+    expert's linear says how it is packed; ``fused``: model name of a fused parameter -> (its
+    sources' ``.weight`` names, as a dense checkpoint would store them; the parts concatenated
+    along its rows). Returns ({format: modules changed}, the checkpoint keys they take). A format
+    other than symmetric weight-only ``pack-quantized`` (zero points, quantized activations), a
+    missing tensor or a shape that does not stack is an error naming the tensor."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    from loaders.quantization.formats import enum_value
+
+    counts: dict[str, int] = {}
+    taken: set[str] = set()
+    for name, module in list(model.named_modules()):
+        own = dict(module.named_parameters(recurse=False))
+        projections = [p for p in own if f"{name}.{p}" in fused and own[p].dim() == 3
+                       and any(k + "_packed" in stored for k in fused[f"{name}.{p}"][0])]
+        if not projections:
+            continue
+        if getattr(module, "is_transposed", False):
+            raise CheckpointError(f"{name}: packed experts of a transposed layout are not supported", path=path,
+                                  tensor=fused[f"{name}.{projections[0]}"][0][0] + "_packed")
+        dtypes, parts_of, columns_of, fmt = set(), {}, {}, None
+        for proj in projections:
+            dense, (keys, parts) = own[proj], fused[f"{name}.{proj}"]
+            experts, rows, columns = dense.shape
+            if rows % parts:
+                raise CheckpointError(f"{name}.{proj} {tuple(dense.shape)}: {rows} rows do not split into {parts}",
+                                      path=path, tensor=keys[0] + "_packed")
+            for key in keys:
+                linear = key.removesuffix(".weight")
+                got = plan.format_for(linear, nn.Linear(columns, rows // parts, bias=False, device="meta"))
+                w = got.scheme.weights if got is not None and got.scheme is not None else None
+                if (got is None or got.kind != "pack-quantized" or got.scheme.input_activations is not None
+                        or not w.symmetric or enum_value(w.strategy) not in ("group", "channel")):
+                    raise CheckpointError(f"{linear} is stored packed but its format ({got and got.describe()}) is not "
+                                          "served for experts (symmetric weight-only pack-quantized by groups or "
+                                          "channels)", path=path, tensor=key + "_packed")
+                if fmt is not None and got != fmt:
+                    raise CheckpointError(f"the experts of {name} mix formats ({fmt.describe()}, {got.describe()})",
+                                          path=path, tensor=key + "_packed")
+                fmt = got
+                groups = 1 if enum_value(w.strategy) == "channel" else -(-columns // w.group_size)
+                want = {"_packed": (rows // parts, -(-columns * w.num_bits // 32)), "_scale": (rows // parts, groups),
+                        "_shape": (2,)}
+                for suffix, shape in want.items():
+                    entry = stored.get(key + suffix)
+                    if entry is None or tuple(entry[0]) != shape:
+                        raise CheckpointError(f"{key + suffix} is {entry and tuple(entry[0])}, expected {shape} for "
+                                              f"{name}.{proj} {tuple(dense.shape)}", path=path, tensor=key + suffix)
+                    taken.add(key + suffix)
+            scale_dtype = stored[keys[0] + "_scale"][1]
+            dtypes.add(dense.dtype)
+            delattr(module, proj)
+            module.register_parameter(f"{proj}_packed", nn.Parameter(torch.empty(
+                (experts, rows, want["_packed"][1]), dtype=torch.int32, device="meta"), requires_grad=False))
+            module.register_parameter(f"{proj}_packed_scale", nn.Parameter(torch.empty(
+                (experts, rows, groups), dtype=scale_dtype, device="meta"), requires_grad=False))
+            module.register_parameter(f"{proj}_packed_shape", nn.Parameter(torch.empty(
+                (experts, 2 * parts), dtype=stored[keys[0] + "_shape"][1], device="meta"), requires_grad=False))
+            module.__dict__[f"_{proj}_rows"] = rows
+            parts_of[proj], columns_of[proj] = parts, columns
+        module.experts_dtype = dtypes.pop()
+        module.packed_parts, module.packed_columns = parts_of, columns_of
+        module.packed_scheme = fmt.scheme
+        module.packed_compressor = BaseCompressor.get_value_from_registry(fmt.kind)
+        module.row_sharded = tuple(f"{p}{suffix}" for p in projections for suffix in ("_packed", "_packed_scale",
+                                                                                       "_packed_shape"))
+        module.quantized_tensor_names = module.row_sharded
+        module.__class__ = _quantized_class(type(module), "Packed", tuple(projections), _expert_biases(module))
+        what = f"{fmt.describe()} experts"
+        counts[what] = counts.get(what, 0) + 1
+    return counts, taken

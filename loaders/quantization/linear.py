@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loaders.errors import CheckpointError
-from loaders.quantization.experts import quantize_fp8_experts, quantize_fused_experts
+from loaders.quantization.experts import quantize_fp8_experts, quantize_fused_experts, quantize_packed_experts
 from loaders.quantization.formats import (COMPRESSED_FORMATS, MXFP4_EXPERTS, LinearFormat, QuantizationPlan,
                                           dequantize_fp8_block, enum_value, fp8_scale_shape)
 from shard_engine.ops import define_op
@@ -278,6 +278,9 @@ def quantize_skeleton(model: nn.Module, plan: QuantizationPlan, stored: dict[str
         experts, taken = quantize_fp8_experts(model, fused, stored, block, path=path)
         if experts:
             counts[f"fp8 e4m3 experts, {block[0]}x{block[1]} blocks"] = experts
+    if plan.method == "compressed-tensors" and fused:
+        experts, taken = quantize_packed_experts(model, plan, fused, stored, path=path)
+        counts.update(experts)
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
             continue
@@ -314,8 +317,8 @@ def check_nothing_else_quantized(model: nn.Module, stored: dict[str, tuple[tuple
             continue
         if dtype in QUANTIZED_DTYPES or name.rpartition(".")[2] in QUANTIZED_SUFFIXES:
             raise CheckpointError(f"{name} is stored quantized ({dtype}) but belongs to no layer the server "
-                                  "dequantizes (of experts, MXFP4 and fp8 blocks are served; other non-Linear weights "
-                                  "are not)",
+                                  "dequantizes (of experts, MXFP4, fp8 blocks and symmetric weight-only pack-quantized "
+                                  "are served; other non-Linear weights are not)",
                                   path=path, tensor=name)
 
 
