@@ -457,8 +457,8 @@ def _compiled_and_eager(rank, world_size, paths):
 def test_compiled_layers_over_quantized_layers_equal_eager(tmp_path):
     """``--compile decode`` over a quantized checkpoint (W8A8: the input fake-quantized in the graph;
     GPTQ with activation order: its codes unpacked and gathered by ``g_idx`` in the graph; gpt-oss's
-    MXFP4 experts and Qwen3-MoE's fp8 experts, dequantized by the experts module's properties in the
-    graph) and over
+    MXFP4 experts and Qwen3-MoE's fp8 and W4A16 experts, dequantized by the experts module's properties
+    in the graph) and over
     ``--quantization int8``: the layers' graphs hold the quantized layers' dequantization,
     and greedy tokens equal eager's in float32 (steps of 3, 2 and 1 sequences and the prompts' step)."""
     base = write_checkpoint(tmp_path / "base", "llama")
@@ -466,7 +466,8 @@ def test_compiled_layers_over_quantized_layers_equal_eager(tmp_path):
              "gptq": (qc.write_gptq(tmp_path / "gptq", base=base, act_order=True), None),
              "mxfp4": (qc.write_mxfp4(tmp_path / "mxfp4"), None),
              "fp8-experts": (qc.write_fp8_block(tmp_path / "fp8-experts", block=(16, 16), experts=True,
-                                                base=write_checkpoint(tmp_path / "moe", "qwen3_moe")), None)}
+                                                base=write_checkpoint(tmp_path / "moe", "qwen3_moe")), None),
+             "w4a16-experts": (qc.write_compressed_experts(tmp_path / "w4a16-experts", base=tmp_path / "moe"), None)}
     [got] = values(run_ranks(_compiled_and_eager, 1, tmp_path, paths, timeout=600))
     for name, result in got.items():
         assert result["compiled"] == result["eager"], (name, result)
