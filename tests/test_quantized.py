@@ -234,6 +234,22 @@ def test_server_serves_deepseek_v3_in_fp8(tmp_path):
         assert all(h["weights"] > experts for h in info["bytes_per_rank"]), info
 
 
+def test_server_serves_a_w4a16_moe(tmp_path):
+    """llm-compressor's W4A16 of Qwen3-MoE through the real server on 2 ranks: greedy tokens equal to
+    transformers' own load; ``/info`` counts each layer's experts module and each rank holds half the
+    experts' packed codes."""
+    base = write_checkpoint(tmp_path / "base", "qwen3_moe")
+    path = qc.write_compressed_experts(tmp_path / "w4a16", base=base)
+    reference = reference_generate(path, max_new_tokens=TOKENS)
+    with ServerProcess(path, nproc=2, extra_args=("--dtype", "float32"), log_path=tmp_path / "log") as server:
+        assert_greedy_tokens(server, reference, TOKENS)
+        info = server.client.get("/info").json()["quantization"]
+        # 2 layers x (q, k, v, o) linears, and 2 experts modules
+        assert info["layers"] == {"pack-quantized: int4 group 16": 8, "pack-quantized: int4 group 16 experts": 2}, info
+        experts = 2 * 4 * (64 * 64 + 64 * 32) // 2 // 2  # 2 layers, a rank's 2 of 4 experts, half a byte a weight
+        assert all(h["weights"] > experts for h in info["bytes_per_rank"]), info
+
+
 @pytest.mark.parametrize("qconfig, named", [
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq bits 3"),
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "'marlin'"),

@@ -324,7 +324,7 @@ def check_nothing_else_quantized(model: nn.Module, stored: dict[str, tuple[tuple
 
 def quantized_bytes(model: nn.Module) -> dict[str, int]:
     """This rank's bytes of quantized layers' tensors: ``weights`` (packed or fp8/int8 weights, MXFP4
-    blocks, fp8 experts), ``scales`` (scales, zero points, GPTQ's ``g_idx``); counted from the local shards;
+    blocks, fp8 and packed experts), ``scales`` (scales, zero points, GPTQ's ``g_idx``); counted from the local shards;
     ``layers``: quantized linears and experts modules."""
     from torch.distributed.tensor import DTensor
 
@@ -336,7 +336,7 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
         for name in module.row_sharded:
             p = getattr(module, name)
             local = p.to_local() if isinstance(p, DTensor) else p
-            key = "weights" if name in ("weight", "weight_packed", "qweight") or name.endswith(("_blocks", "_fp8")) \
-                else "scales"
+            key = "weights" if name in ("weight", "weight_packed", "qweight") or name.endswith(
+                ("_blocks", "_fp8", "_packed")) else "scales"
             out[key] += local.numel() * local.element_size()
     return out
