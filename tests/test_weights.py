@@ -4,7 +4,8 @@ finish on the old weights; ``abort``: they end with an error event; ``keep``: th
 greedy tokens afterwards are transformers' on the new checkpoint, each rank reads about half of it,
 and a missing source, a checkpoint of another shape and a truncated file are each a 4xx naming
 what is wrong while the old weights keep serving exactly; a 3-rank FSDP2 trainer pushes its
-shards into the 2-rank server (``server.trainer.push``); SGLang's route with SGLang's body."""
+shards into the 2-rank server (``server.trainer.push``); SGLang's route with SGLang's body; vLLM's
+``/pause`` (keep, abort; pause, update, resume) and ``/resume``."""
 
 from __future__ import annotations
 
@@ -151,6 +152,58 @@ def test_sglangs_route_updates_with_sglangs_request_body(served):
     assert r.status_code == 400 and r.json()["success"] is False and "no such directory" in r.json()["message"]
     r = served.client.post("/update_weights_from_disk", json={"model_path": served.paths["a"], "is_async": True})
     assert r.status_code == 400 and "is_async" in r.json()["message"]
+
+
+def test_vllms_pause_keep_freezes_the_running_and_queues_the_new_until_resume(served):
+    """``POST /pause?mode=keep&clear_cache=false``: a running stream stops where it is, a new request
+    waits; ``/resume``: both go on, the stream's tokens those of an unpaused run."""
+    import time
+
+    version = served.client.get("/admin/weights").json()["version"]
+    want = reference_generate(served.paths[version], PROMPTS[1:2], STREAM_TOKENS)[0]
+    threads, outs = _running_streams(served, 1)
+    r = served.client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+    assert r.status_code == 200 and r.json() == {"status": "paused", "mode": "keep"}, r.text
+    assert served.client.get("/is_paused").json() == {"is_paused": True}
+    held = len(outs[0])
+    answered = {}
+    waiting = threading.Thread(target=lambda: answered.update(r=served.client.post("/generate", json={
+        "inputs": PROMPTS[0], "parameters": {"max_new_tokens": 2}})), daemon=True)
+    waiting.start()
+    time.sleep(1.0)
+    assert len(outs[0]) == held < STREAM_TOKENS and not answered, (held, answered)  # frozen; queued
+    assert served.client.post("/resume").json() == {"status": "resumed"}
+    threads[0].join(30)
+    waiting.join(30)
+    assert [e["token"]["id"] for e in outs[0]] == want
+    assert answered["r"].status_code == 200
+    assert served.client.get("/is_paused").json() == {"is_paused": False}
+
+
+def test_vllms_pause_update_resume_recomputes_the_kept_on_the_new_weights(served):
+    """An RL step as vLLM's clients run it: pause (keep, cache cleared), new weights, resume. The kept
+    stream gave its blocks back; it is recomputed and finishes on the new weights."""
+    _update(served, "a")
+    threads, outs = _running_streams(served, 1)
+    assert served.client.post("/pause", params={"mode": "keep"}).status_code == 200
+    _update(served, "b", mode="wait")  # nothing runs: the update does not wait for the kept stream
+    assert served.client.get("/is_paused").json() == {"is_paused": True}
+    served.client.post("/resume")
+    threads[0].join(30)
+    assert len(outs[0]) == STREAM_TOKENS and outs[0][-1]["details"]["weights_version"] == "b", outs[0][-1]
+    assert_greedy_tokens(served, served.references["b"], TOKENS)
+
+
+def test_vllms_pause_abort_ends_the_running_and_bad_modes_are_refused(served):
+    threads, outs = _running_streams(served, 1)
+    assert served.client.post("/pause").status_code == 200  # vLLM's default: abort
+    threads[0].join(30)
+    assert "error" in outs[0][-1] and "paused" in outs[0][-1]["error"], outs[0][-1]
+    served.client.post("/resume")
+    r = served.client.post("/pause", params={"mode": "later"})
+    assert r.status_code == 422 and "mode" in r.json()["error"], r.text
+    assert served.client.get("/is_paused").json() == {"is_paused": False}
+    assert_greedy_tokens(served, served.references["b"], TOKENS)
 
 
 def _train_and_push(rank, world_size, path, url, version):

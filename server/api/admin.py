@@ -11,6 +11,11 @@ SGLang's routes where their meaning is the same: ``POST /update_weights_from_dis
 "num_paused_requests"}``, 400 with ``success: false`` on a failure, as SGLang answers) and
 ``GET /get_model_info``.
 
+vLLM's pause routes: ``POST /pause?mode=abort|wait|keep&clear_cache=true|false`` (vLLM's
+defaults: abort, true) answers once the pause has taken (running sequences ended, finished or
+frozen); new requests queue until ``POST /resume``; ``GET /is_paused``. An aborted sequence ends
+with an error event, not vLLM's partial output with ``finish_reason: abort``.
+
 ``POST /admin/peer-load``: a group starting with ``--load-from-peer`` asks this one for its
 weights (``server.peer``); 403 unless this server runs with ``--share-weights``, 409 naming the
 difference where the peer loads another checkpoint or loads it otherwise, 503 before this group
@@ -94,6 +99,36 @@ async def update_weights_from_disk(request: Request, state: ServerState = Depend
                             status_code=400 if e.status_code < 500 else e.status_code)
     return JSONResponse({"success": True, "message": f"Succeeded to update model weights ({outcome['seconds']} s).",
                          "num_paused_requests": 0})
+
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+@router.post("/pause")
+async def pause(state: ServerState = Depends(server_state), mode: str = "abort", clear_cache: str = "true") -> dict:
+    """vLLM's route: pause generation (``Scheduler.pause``); answers once every step group has settled."""
+    require_ready(state)
+    if mode not in PAUSE_MODES:
+        raise InputValidationError(f"mode: one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
+    if clear_cache.lower() not in ("true", "false", "1", "0"):
+        raise InputValidationError(f"clear_cache: true or false, got {clear_cache!r}", param="clear_cache")
+    failed = lambda: state.phase == "failed"  # noqa: E731
+    await off_loop(state.scheduler.pause, mode, clear_cache.lower() in ("true", "1"), failed)
+    return {"status": "paused", "mode": mode}
+
+
+@router.post("/resume")
+async def resume(state: ServerState = Depends(server_state)) -> dict:
+    """vLLM's route: queued and kept requests go on."""
+    require_ready(state)
+    state.scheduler.resume()
+    return {"status": "resumed"}
+
+
+@router.get("/is_paused")
+async def is_paused(state: ServerState = Depends(server_state)) -> dict:
+    require_ready(state)
+    return {"is_paused": state.scheduler.paused_by_request}
 
 
 @router.get("/get_model_info")

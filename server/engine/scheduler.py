@@ -178,6 +178,11 @@ class Scheduler:
         self._update = None  # (WeightUpdate, mode) not yet planned (update_weights)
         self._go = False  # every group is quiet: plan the update (start_update)
         self._holding = False  # quiet for an update: no work until release_update
+        # vLLM's POST /pause: (mode, clear_cache) while paused (pause); ``pause_settled`` once its running
+        # sequences are done (wait), ended (abort) or frozen (keep)
+        self._pause: tuple[str, bool] | None = None
+        self._pause_settled = False
+        self.pause_settled = threading.Event()
         self.update_reports: list = []  # its ranks' UpdateReports of the last update
         self.weights_version = ""  # what its tokens are computed with: the last update that every rank wrote
         self._next_version = ""  # the planned update's, once every rank reports it written
@@ -245,13 +250,35 @@ class Scheduler:
     def start_update(self) -> None:
         self._inbox.put(("go", None))
 
+    def pause(self, mode: str, clear_cache: bool = True) -> None:
+        """vLLM's pause: admission stops (new requests queue until :meth:`resume`); ``wait`` lets the
+        running sequences finish, ``abort`` ends the running and queued ones with an error, ``keep``
+        freezes the running ones. ``clear_cache``: the cached prefixes and image embeddings are
+        dropped once settled, and kept sequences give their blocks back, to be recomputed at resume
+        (as vLLM discards their KV: whatever weights are loaded meanwhile compute all of it). Sets
+        ``pause_settled`` once the running sequences are done, ended or frozen."""
+        self.pause_settled.clear()
+        self._inbox.put(("pause", (mode, clear_cache)))
+
+    def resume(self) -> None:
+        self._inbox.put(("resume", None))
+
     def release_update(self) -> None:
         self._inbox.put(("release", None))
 
     @property
     def paused(self) -> bool:
-        """An update is planned or this group holds for the others: nothing is admitted."""
-        return self._update is not None or self._holding
+        """An update is planned, this group holds for the others, or it is paused: nothing is admitted."""
+        return self._update is not None or self._holding or self._pause is not None
+
+    @property
+    def paused_by_request(self) -> bool:
+        """Paused by :meth:`pause` (vLLM's ``/is_paused``)."""
+        return self._pause is not None
+
+    def _frozen(self) -> bool:
+        """Paused with nothing to compute: every running sequence kept, or none left."""
+        return self._pause is not None and (self._pause[0] == "keep" or not self._running)
 
     def request_shutdown(self, timeout_s: float = float("inf")) -> None:
         """Stop once the open requests have finished, or after ``timeout_s`` whatever remains."""
@@ -282,12 +309,15 @@ class Scheduler:
     def next_plan(self) -> StepPlan:
         """The plan for the next step; blocks up to ``idle_wait_s`` while nothing runs."""
         idle = not self._running and not self._waiting and not self._to_remove
-        self._drain_inbox(block=idle or (self._holding and not self._go))
+        self._drain_inbox(block=idle or (self._holding and not self._go) or (self._frozen() and not self._to_remove))
         plan = StepPlan()
         for handle in self._to_remove:
             self._release(handle, plan)
         self._to_remove = []
-        if self._update is not None and not self._holding and (self._update[1] == "keep" or not self._running):
+        if self._frozen() and not self._pause_settled:
+            self._settle_pause(plan)
+        if self._update is not None and not self._holding and (
+                self._update[1] == "keep" or not self._running or self._frozen()):
             self._holding = True  # quiet: the router starts every group's update once all are
             self.quiet.set()
         if self._holding and self._go and self._update is not None:
@@ -296,10 +326,10 @@ class Scheduler:
             for pool in self.pools:  # what the cache holds was computed by the old weights
                 pool.forget_prefixes()
             self.image_cache.clear()  # the ranks drop theirs as they update
-        elif not self._holding:
+        elif not self._holding and not self._frozen():
             continuing = self._plan_decodes(plan)
             budget = self._prefill_budgets(continuing)
-            if self._update is None:
+            if self._update is None and self._pause is None:
                 self._admit(plan, budget)
             for handle in continuing:  # the rest of longer prompts, after new requests' first chunks
                 self._plan_chunk(handle, plan, budget)
@@ -339,6 +369,15 @@ class Scheduler:
                         self._end(running)
                         running.deliver(ErrorEvent("aborted: the server's weights are being updated "
                                                    "(POST /admin/weights, mode abort)"))
+            elif kind == "pause":
+                self._pause, self._pause_settled = handle, False
+                if handle[0] == "abort":
+                    for ended in list(self._running.values()) + list(self._waiting):
+                        self._end(ended)
+                        ended.deliver(ErrorEvent("aborted: generation was paused (POST /pause, mode abort)"))
+            elif kind == "resume":
+                self._pause = None
+                self.pause_settled.clear()
             elif kind == "go":
                 self._go = True
             elif kind == "release":
@@ -347,6 +386,18 @@ class Scheduler:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _settle_pause(self, plan: StepPlan) -> None:
+        """The pause has taken: with ``clear_cache`` the prefixes and image embeddings go, and the kept
+        sequences give back their blocks (recomputed once resumed)."""
+        if self._pause[1]:
+            for handle in sorted(self._running.values(), key=lambda h: h.seq_id, reverse=True):
+                self._preempt(handle, plan, counted=False)  # queued first again, oldest first
+            for pool in self.pools:
+                pool.forget_prefixes()
+            self.image_cache.clear()
+        self._pause_settled = True
+        self.pause_settled.set()
 
     def _end(self, handle: RequestHandle) -> None:
         if handle.done:
@@ -638,7 +689,7 @@ class Scheduler:
         started = self._step_started
         if started is not None:
             return max(0.0, now - started)
-        if self._holding:  # waiting for the other groups' weight updates, not stuck
+        if self._holding or self._frozen():  # waiting for the other groups' weight updates, or paused: not stuck
             return 0.0
         if self._running or self._waiting or not self._inbox.empty():
             return max(0.0, now - self._planned_at)

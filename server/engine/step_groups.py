@@ -132,12 +132,28 @@ class StepGroupRouter:
             reports += [r for s in schedulers for r in s.update_reports]
         return sorted(reports)
 
+    def pause(self, mode: str, clear_cache: bool = True, failed=lambda: False) -> None:
+        """vLLM's pause on every step group (``Scheduler.pause``); returns once each has settled:
+        its running sequences done (``wait``), ended (``abort``) or frozen (``keep``). RuntimeError
+        where ``failed()`` turns true first."""
+        for s in self.schedulers:
+            s.pause(mode, clear_cache)
+        self._wait_all(self.schedulers, "pause_settled", failed)
+
+    def resume(self) -> None:
+        for s in self.schedulers:
+            s.resume()
+
+    @property
+    def paused_by_request(self) -> bool:
+        return any(s.paused_by_request for s in self.schedulers)
+
     @staticmethod
     def _wait_all(schedulers, event: str, failed) -> None:
         for s in schedulers:
             while not getattr(s, event).wait(0.5):
                 if failed():
-                    raise RuntimeError("the model group failed during the weight update")
+                    raise RuntimeError(f"the model group failed while waiting for its step groups ({event})")
 
     @property
     def paused(self) -> bool:
