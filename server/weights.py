@@ -65,13 +65,14 @@ class WeightsAdmin:
             self.running = {"source": source, "version": version, "mode": mode, "phase": "checking",
                             "started": time.time()}
             try:
-                self._check(source)
-            except CheckpointError as e:
+                local, files = _local_checkpoint(source)
+                self._check(local)
+            except (CheckpointError, ValueError) as e:
                 self._count("refused")
                 raise InputValidationError(f"{source}: {e}", param="source") from None
             self.running["phase"] = "updating"
             try:
-                reports = self.router.update_weights(WeightUpdate(source=source, version=version), mode,
+                reports = self.router.update_weights(WeightUpdate(source=local, version=version, files=files), mode,
                                                      failed=self._group_failed, rolling=self._rolling())
             except RuntimeError as e:
                 self._count("failed")
@@ -231,9 +232,9 @@ def _parse(body) -> tuple[str, str, str]:
     source, version, mode = body.get("source"), body.get("version"), body.get("mode", "wait")
     if not isinstance(source, str) or not source:
         raise InputValidationError("source: a checkpoint directory, or \"trainer\"", param="source")
-    if "://" in source:
-        raise InputValidationError("source: only a local checkpoint directory is updated from so far; s3:// and Hub "
-                                   "ids are not implemented", param="source")
+    if "://" in source and not source.startswith("s3://"):
+        raise InputValidationError("source: a local checkpoint directory or an s3:// prefix; other URLs and Hub ids "
+                                   "are not implemented", param="source")
     if version is not None and (not isinstance(version, str) or not 0 < len(version) <= 128
                                 or not all(" " <= c <= "~" for c in version)):
         raise InputValidationError("version: a label of 1 to 128 printable ASCII characters (it is sent as the "
@@ -241,6 +242,63 @@ def _parse(body) -> tuple[str, str, str]:
     if mode not in MODES:
         raise InputValidationError(f"mode: one of {', '.join(MODES)}", param="mode")
     return source, version or label(os.path.basename(source.rstrip("/"))), mode
+
+
+SMALL_FILES = ("config.json", "model.safetensors.index.json")
+"""What every rank needs of a checkpoint in object storage besides ``remote.json``: its rows are read
+from the store itself (``loaders.remote``)."""
+
+
+def _local_checkpoint(source: str) -> tuple[str, dict[str, bytes]]:
+    """``source`` as a local directory, and the files each rank must write where its host lacks it:
+    an ``s3://`` prefix is listed and its small files fetched now (``loaders.sources.s3``: the
+    store's current objects, whatever an earlier load of the same prefix fetched); a directory is
+    itself, with none."""
+    if not source.startswith("s3://"):
+        return source, {}
+    from loaders.remote import REMOTE_FILE
+    from loaders.sources.s3 import resolve_s3
+
+    local = resolve_s3(source)
+    files = {}
+    for name in (*SMALL_FILES, REMOTE_FILE):
+        path = os.path.join(local, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                files[name] = f.read()
+    return local, files
+
+
+def update_directory(update) -> str:
+    """The directory a rank reads ``update`` from: its source where the checkpoint is local (or none
+    of its files travel), else a directory named by the files' content under this host's cache,
+    written once (aside, then renamed into place: the host's other ranks may race to the same)."""
+    if not update.files:
+        return update.source
+    import hashlib
+    import shutil
+    import tempfile
+
+    from loaders.sources.default_model import cache_root
+
+    digest = hashlib.sha256(b"".join(name.encode() + b"\0" + data for name, data in sorted(update.files.items())))
+    root = os.path.join(cache_root(), "updates")
+    target = os.path.join(root, digest.hexdigest()[:24])
+    if os.path.isdir(target):
+        return target
+    os.makedirs(root, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".write-", dir=root)
+    try:
+        for name, data in update.files.items():
+            with open(os.path.join(staging, os.path.basename(name)), "wb") as f:
+                f.write(data)
+        os.replace(staging, target)
+    except OSError:
+        if not os.path.isdir(target):  # (another rank's won the rename: the same content)
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 def label(name: str) -> str:
@@ -268,8 +326,8 @@ def apply_update(loaded, cfg, residency, update, mesh_shape: tuple[int, int] = (
         _refresh(loaded.model, residency)
         return UpdateReport(bytes_read=received, seconds=round(time.perf_counter() - began, 3))
     try:
-        stats = update_hsdp_model(loaded, update.source, dtype=cfg.torch_dtype or "auto", quantize=_quantize(cfg),
-                                  load_concurrency=cfg.load_concurrency)
+        stats = update_hsdp_model(loaded, update_directory(update), dtype=cfg.torch_dtype or "auto",
+                                  quantize=_quantize(cfg), load_concurrency=cfg.load_concurrency)
     except PartialUpdateError:
         raise
     except (CheckpointError, OSError, ValueError) as e:

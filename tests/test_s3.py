@@ -180,3 +180,23 @@ def test_the_server_serves_an_s3_checkpoint(s3, references, tmp_path):
                                                                                    "details": True}})
         expected = references["llama"][0][:8]
         assert [t["id"] for t in r.json()["details"]["tokens"]] == expected, tokenizer().decode(expected)
+        # new weights from the store into the running server: each rank its rows, by ranged GETs
+        import boto3
+
+        from tests.checkpoints import reference_generate, write_checkpoint
+
+        updated = write_checkpoint(tmp_path / "updated", "llama", seed=1)
+        weights = [n for n in sorted(os.listdir(updated)) if n.endswith(".safetensors")]
+        store = boto3.client("s3")
+        for name in os.listdir(updated):
+            store.upload_file(os.path.join(updated, name), BUCKET, f"updated/{name}")
+        r = server.client.post("/admin/weights", json={"source": f"s3://{BUCKET}/updated", "version": "s3-step-1"})
+        assert r.status_code == 200, r.text
+        total = sum(os.path.getsize(os.path.join(updated, n)) for n in weights)
+        assert all(read < 0.65 * total for read in r.json()["bytes_read_per_rank"]), r.json()
+        r = server.client.post("/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 8,
+                                                                                   "details": True}})
+        assert [t["id"] for t in r.json()["details"]["tokens"]] == reference_generate(updated, [prompt], 8)[0]
+        assert r.json()["details"]["weights_version"] == "s3-step-1"
+        r = server.client.post("/admin/weights", json={"source": f"s3://{BUCKET}/nothing-here"})
+        assert r.status_code == 422 and "no objects" in r.json()["error"], r.text

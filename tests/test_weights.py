@@ -132,7 +132,7 @@ def test_a_wrong_checkpoint_is_refused_naming_it_and_the_old_weights_serve_on(se
              ({"source": other_shape}, "another model than the one served"),
              ({"source": str(truncated)}, shard.name),
              ({"source": served.paths["b"], "mode": "later"}, "mode"),
-             ({"source": "s3://bucket/x"}, "not implemented"),
+             ({"source": "gs://bucket/x"}, "not implemented"),
              ({"source": served.paths["b"], "extra": 1}, "extra")]
     for body, words in cases:
         r = served.client.post("/admin/weights", json=body)
@@ -159,8 +159,8 @@ def test_vllms_pause_keep_freezes_the_running_and_queues_the_new_until_resume(se
     waits; ``/resume``: both go on, the stream's tokens those of an unpaused run."""
     import time
 
-    version = served.client.get("/admin/weights").json()["version"]
-    want = reference_generate(served.paths[version], PROMPTS[1:2], STREAM_TOKENS)[0]
+    _update(served, "a")
+    want = reference_generate(served.paths["a"], PROMPTS[1:2], STREAM_TOKENS)[0]
     threads, outs = _running_streams(served, 1)
     r = served.client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
     assert r.status_code == 200 and r.json() == {"status": "paused", "mode": "keep"}, r.text

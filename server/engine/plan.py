@@ -105,11 +105,15 @@ class TrainerTransfer:
 class WeightUpdate:
     """New weights into this rank's shards now, between two steps (``server.weights``): the
     checkpoint at ``source`` streamed, or with ``trainer`` received from a trainer's ranks; the
-    plan carries no work, and the step group holds until every group has updated."""
+    plan carries no work, and the step group holds until every group has updated. ``files``: where
+    the checkpoint is in object storage, its small files (config, index, ``remote.json`` naming the
+    weights' objects) by name: each rank writes them into a directory of its own host and reads its
+    rows from the store (``server.weights.update_directory``)."""
 
     source: str
     version: str
     trainer: TrainerTransfer | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass
