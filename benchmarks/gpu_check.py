@@ -31,8 +31,9 @@ that do not need its result still run:
                    greedy tokens over HTTP equal to the in-process engine's, 32 streaming clients,
                    /info, SIGTERM and its exit code (``server.log``)
 11. ``cpu_offload`` ``HSDPInferenceConfig(cpu_offload=True)``: shards in host memory, same tokens
-12. ``quantized``   FP8-block, W4A16 and W8A8 tiny checkpoints loaded on the device (float32): greedy
-                   tokens equal to transformers' (``loaders.quantization``'s device path)
+12. ``quantized``   FP8-block, W4A16 and W8A8 tiny checkpoints, and a tiny Qwen3-MoE's FP8 and W4A16
+                   experts, loaded on the device (float32): greedy tokens equal to transformers'
+                   (``loaders.quantization``'s device path)
 13. ``peer_transfer`` ``shard_engine.transfer`` over NCCL between two processes on cuda:0 and cuda:1
                    (``--load-from-peer``'s path between GPU groups): rows from a 2-shard sender into a
                    1-shard receiver, values and device checksums checked; skipped with one GPU (NCCL
@@ -700,7 +701,8 @@ def _phase_cpu_offload(p: dict, run: Run) -> None:
 
 def _phase_quantized(p: dict, run: Run) -> None:
     """Quantized checkpoints (``loaders.quantization``) computed on the device: a tiny Llama as FP8 16x16
-    blocks, compressed-tensors W4A16 and W8A8, loaded resident in float32 (TF32 off), greedy tokens
+    blocks, compressed-tensors W4A16 and W8A8, a tiny Qwen3-MoE's experts as FP8 blocks and W4A16
+    (transformers' own load the reference), loaded resident in float32 (TF32 off), greedy tokens
     against transformers in float32 on the same device: for FP8 and W4A16 the dense checkpoint of
     the weights transformers' dequantization gives (its GPU FP8 path quantizes activations, the
     CPU one this reproduces does not), for W8A8 transformers' own load."""
@@ -714,9 +716,13 @@ def _phase_quantized(p: dict, run: Run) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     device, root = run.device, pathlib.Path(run.path).parent / "quantized"
     base = write_checkpoint(root / "base", "llama")
+    moe = write_checkpoint(root / "moe", "qwen3_moe")
     formats = {"fp8-block-16": (qc.write_fp8_block(root / "fp8", base=base, block=(16, 16)), True),
                "w4a16": (qc.write_compressed_w4a16(root / "w4a16", base=base, group_size=16), True),
-               "w8a8": (qc.write_compressed_w8a8(root / "w8a8", base=base), False)}
+               "w8a8": (qc.write_compressed_w8a8(root / "w8a8", base=base), False),
+               # MoE experts, the routed ones dequantized a forward (loaders.quantization.experts)
+               "fp8-experts": (qc.write_fp8_block(root / "fp8-experts", base=moe, block=(16, 16), experts=True), False),
+               "w4a16-experts": (qc.write_compressed_experts(root / "w4a16-experts", base=moe), False)}
     failures = []
     for name, (path, dense_reference) in formats.items():
         ours = load_ours(path, device, torch.float32)

@@ -144,17 +144,21 @@ def _nothing_to_convert(tensors, expected: dict[str, torch.Tensor]) -> bool:
 QUANTIZED_COMPANIONS = {
     "_scale_inv": {"_fp8": ".weight", "_scale_inv": ".weight_scale_inv"},
     "_packed_scale": {"_packed": ".weight_packed", "_packed_scale": ".weight_scale", "_packed_shape": ".weight_shape"},
+    "_g_idx": {"_qweight": ".qweight", "_qzeros": ".qzeros", "_scales": ".scales", "_g_idx": ".g_idx"},  # GPTQ
+    "_qzeros": {"_qweight": ".qweight", "_qzeros": ".qzeros", "_scales": ".scales"},  # AWQ
 }
 """How a fused parameter stored quantized by experts is named in the model (the suffix on the
 converter's target; the first key: the parameter that says the target is held so) and in the
 checkpoint (the suffix on each source, in place of ``.weight``): fp8 experts' e4m3 weights and
-block scales (:func:`loaders.quantization.experts.quantize_fp8_experts`), and compressed-tensors'
-packed experts' codes, scales and shapes (:func:`~loaders.quantization.experts.quantize_packed_experts`)."""
+block scales (:func:`loaders.quantization.experts.quantize_fp8_experts`), and the stored tensors of
+experts quantized as linears: compressed-tensors' packed codes, scales and shapes, GPTQ's and
+AWQ's (:func:`~loaders.quantization.experts.quantize_linear_experts`); GPTQ's before AWQ's (both
+have ``_qzeros``)."""
 
 
 def _with_quantized_companions(converters: list, model: nn.Module) -> list:
     """The model's converters, where a converter's target is held quantized (the model has
-    ``<target>_scale_inv`` or ``<target>_packed_scale``) replaced by one copy per stored tensor,
+    ``<target>`` and a key of :data:`QUANTIZED_COMPANIONS`) replaced by one copy per stored tensor,
     each with the same chain: for fp8 the experts' weights into ``<target>_fp8`` and their scales
     into ``<target>_scale_inv``; for packed experts their codes, scales and shapes. As transformers'
     quantizers copy a converter for the scales a module keeps (``HfQuantizer.update_weight_conversions``)."""

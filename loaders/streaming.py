@@ -701,12 +701,12 @@ def _model_named_tensors(model: nn.Module, files) -> tuple[dict[str, tuple[tuple
 
     stored = {model_key(key): (info.shape, info.dtype) for key, info in keys.items() if key.startswith(strip)}
     targets = list(conversions.targets)
-    # experts stored as packed linears (compressed-tensors' ``weight_packed`` under each expert's name) match
-    # no converter by those names: planned by their weights' names, as a dense checkpoint stores them
-    # (loaders.quantization.experts.quantize_packed_experts takes the packed tensors beside each)
-    packed = [key for key in files.tensors if key.endswith(".weight_packed")]
+    # experts stored as quantized linears (compressed-tensors' ``weight_packed``, GPTQ's and AWQ's ``qweight``
+    # under each expert's name) match no converter by those names: planned by their weights' names, as a
+    # dense checkpoint stores them (loaders.quantization.experts.quantize_linear_experts takes the tensors)
+    packed = [key.rpartition(".")[0] + ".weight" for key in files.tensors if key.endswith((".weight_packed", ".qweight"))]
     if packed:
-        targets += plan_conversions(model, [key.removesuffix("_packed") for key in packed]).targets
+        targets += plan_conversions(model, packed).targets
     fused = {model_key(t.name): ([model_key(k) for keys in t.sources.values() for k in keys], len(t.sources))
              for t in targets if t.name.startswith(strip)}
     return stored, fused

@@ -482,12 +482,14 @@ def _quantize_groups(w: torch.Tensor, groups: torch.Tensor, bits: int, symmetric
 
 
 def write_gptq(path, *, base=None, bits=4, group_size=16, symmetric=True, act_order=False,
-               checkpoint_format="gptq", seed=0, max_shard_size=DEFAULT_SHARD) -> str:
+               checkpoint_format="gptq", seed=0, max_shard_size=DEFAULT_SHARD, experts: bool = False) -> str:
     """AutoGPTQ / GPTQModel checkpoint (``quant_method: "gptq"``): per linear ``<m>.qweight`` int32
     [in*bits/32, out] (codes packed along the input, LSB first), ``<m>.qzeros`` int32
     [groups, out*bits/32] (packed along the output; ``checkpoint_format`` ``"gptq"`` stores each zero
     point minus one, ``"gptq_v2"`` as is), ``<m>.scales`` fp16 [groups, out], ``<m>.g_idx`` int32 [in]
-    (row i's group: ``i // group_size``, or with ``act_order`` its rank in a random order // group)."""
+    (row i's group: ``i // group_size``, or with ``act_order`` its rank in a random order // group).
+    ``experts``: every projection of a block, each expert's under its own name (GPTQModel's MoE
+    checkpoints; ``base`` a MoE checkpoint in the Hub's per-expert layout)."""
     gen = torch.Generator().manual_seed(seed + 1)
 
     def pack(w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -501,7 +503,7 @@ def write_gptq(path, *, base=None, bits=4, group_size=16, symmetric=True, act_or
 
     return _write_packed(path, base, seed, max_shard_size, pack, {
         "quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": symmetric,
-        "checkpoint_format": checkpoint_format})
+        "checkpoint_format": checkpoint_format}, select=_is_experts_or_linear if experts else _is_quantized_linear)
 
 
 def _write_packed(path, base, seed, max_shard_size, pack, quant_config: dict, select=_is_quantized_linear) -> str:
@@ -523,7 +525,13 @@ def _write_packed(path, base, seed, max_shard_size, pack, quant_config: dict, se
     return path
 
 
-def write_awq(path, *, base=None, group_size=16, seed=0, max_shard_size=DEFAULT_SHARD) -> str:
+def _is_experts_or_linear(name: str) -> bool:
+    """What GPTQModel and AutoAWQ quantize in a MoE: attention's and every expert's projections (not
+    the router ``mlp.gate``)."""
+    return bool(re.search(r"\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?(%s)\.weight$" % "|".join(LINEARS), name))
+
+
+def write_awq(path, *, base=None, group_size=16, seed=0, max_shard_size=DEFAULT_SHARD, experts: bool = False) -> str:
     """AutoAWQ GEMM checkpoint (``quant_method: "awq"``, 4 bits, zero points): per linear
     ``<m>.qweight`` int32 [in, out/8] (codes packed along the output in ``AWQ_ORDER``), ``<m>.qzeros``
     int32 [groups, out/8] (likewise), ``<m>.scales`` fp16 [groups, out]."""
@@ -535,7 +543,7 @@ def write_awq(path, *, base=None, group_size=16, seed=0, max_shard_size=DEFAULT_
 
     return _write_packed(path, base, seed, max_shard_size, pack, {
         "quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
-        "modules_to_not_convert": None})
+        "modules_to_not_convert": None}, select=_is_experts_or_linear if experts else _is_quantized_linear)
 
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])

@@ -473,8 +473,8 @@ def _compiled_and_eager(rank, world_size, paths):
 def test_compiled_layers_over_quantized_layers_equal_eager(tmp_path):
     """``--compile decode`` over a quantized checkpoint (W8A8: the input fake-quantized in the graph;
     GPTQ with activation order: its codes unpacked and gathered by ``g_idx`` in the graph; gpt-oss's
-    MXFP4 experts and Qwen3-MoE's fp8 and W4A16 experts, dequantized by the experts module's properties
-    in the graph) and over
+    MXFP4 experts and Qwen3-MoE's fp8, W4A16 and GPTQ experts, dequantized by the experts module's
+    properties in the graph) and over
     ``--quantization int8``: the layers' graphs hold the quantized layers' dequantization,
     and greedy tokens equal eager's in float32 (steps of 3, 2 and 1 sequences and the prompts' step)."""
     base = write_checkpoint(tmp_path / "base", "llama")
@@ -483,7 +483,9 @@ def test_compiled_layers_over_quantized_layers_equal_eager(tmp_path):
              "mxfp4": (qc.write_mxfp4(tmp_path / "mxfp4"), None),
              "fp8-experts": (qc.write_fp8_block(tmp_path / "fp8-experts", block=(16, 16), experts=True,
                                                 base=write_checkpoint(tmp_path / "moe", "qwen3_moe")), None),
-             "w4a16-experts": (qc.write_compressed_experts(tmp_path / "w4a16-experts", base=tmp_path / "moe"), None)}
+             "w4a16-experts": (qc.write_compressed_experts(tmp_path / "w4a16-experts", base=tmp_path / "moe"), None),
+             "gptq-experts": (qc.write_gptq(tmp_path / "gptq-experts", base=tmp_path / "moe", act_order=True,
+                                            experts=True), None)}
     [got] = values(run_ranks(_compiled_and_eager, 1, tmp_path, paths, timeout=600))
     for name, result in got.items():
         assert result["compiled"] == result["eager"], (name, result)
@@ -539,7 +541,11 @@ def test_quantized_experts_dequantize_only_the_routed_ones(monkeypatch, implemen
     assert quantized.num_experts == 8 and quantized.__dict__["_routed_experts"] is None
 
 
-def _load_packed_experts(rank, world_size, path, mesh):
+def _load_linear_experts(rank, world_size, path, mesh):
+    return _load_packed_experts(rank, world_size, path, mesh, "gate_up_proj_qweight")
+
+
+def _load_packed_experts(rank, world_size, path, mesh, stacked="gate_up_proj_packed"):
     from torch.distributed.tensor import DTensor
 
     from loaders import load_hsdp_model
@@ -549,11 +555,32 @@ def _load_packed_experts(rank, world_size, path, mesh):
     loaded = load_hsdp_model(path, HSDPInferenceConfig(replicate_size=mesh[0], shard_size=mesh[1]), dtype="float32")
     experts = loaded.model.model.layers[1].mlp.experts
     own = dict(experts.named_parameters(recurse=False))
-    assert "gate_up_proj" not in own and isinstance(own["gate_up_proj_packed"], DTensor), sorted(own)
+    assert "gate_up_proj" not in own and isinstance(own[stacked], DTensor), sorted(own)
     return {"ids": [generate_ids(loaded.model, loaded.tokenizer, p, TOKENS) for p in PROMPTS],
             "stored": {n: (tuple(p.to_local().shape), p.dtype) for n, p in own.items()},
             "held": quantized_bytes(loaded.model), "bytes_read": loaded.stats.bytes_read,
             "checkpoint_bytes": loaded.stats.checkpoint_bytes, "layers": loaded.stats.quantized_layers}
+
+
+@pytest.mark.parametrize("fmt,mesh", [("gptq-act-order", (1, 2)), ("gptq-8-v2", (1, 3)), ("awq", (2, 2))])
+def test_gptq_and_awq_experts_equal_their_specifications_and_are_sharded_by_experts(tmp_path, fmt, mesh):
+    """GPTQModel's and AutoAWQ's MoE checkpoints: attention's and each expert's projections under
+    their own names (the router dense). Greedy output equals the dense checkpoint of the weights
+    their specifications give (transformers loads them only through GPTQModel's kernels), unpacked
+    by hand; the experts stay packed and stacked, each rank holding its experts' codes."""
+    base = write_checkpoint(tmp_path / "base", "qwen3_moe")
+    writers = {"gptq-act-order": lambda p: qc.write_gptq(p, base=base, act_order=True, experts=True),
+               "gptq-8-v2": lambda p: qc.write_gptq(p, base=base, bits=8, group_size=32, symmetric=False,
+                                                   checkpoint_format="gptq_v2", experts=True),
+               "awq": lambda p: qc.write_awq(p, base=base, experts=True)}
+    path = writers[fmt](tmp_path / fmt)
+    reference = reference_generate(qc.write_dequantized(tmp_path / "dense", path), max_new_tokens=TOKENS)
+    results = values(run_ranks(_load_linear_experts, mesh[0] * mesh[1], tmp_path, path, mesh, timeout=300))
+    for rank, got in enumerate(results):
+        assert got["ids"] == reference, (rank, got["ids"], reference)
+        assert got["stored"]["gate_up_proj_qweight"][1] == torch.int32, got["stored"]
+        assert sum(n for what, n in got["layers"].items() if what.endswith("experts")) == 2, got["layers"]
+        assert got["bytes_read"] < 1.15 * got["checkpoint_bytes"] / mesh[1], got
 
 
 @pytest.mark.parametrize("bits,group,mesh", [(4, 16, (1, 2)), (8, None, (1, 3)), (4, 16, (2, 2))],
@@ -590,7 +617,7 @@ def test_packed_experts_of_a_format_not_served_are_refused_naming_the_tensor():
 
     from loaders.errors import CheckpointError
     from loaders.quantization import quantization_plan
-    from loaders.quantization.experts import quantize_packed_experts
+    from loaders.quantization.experts import quantize_linear_experts
 
     plan = quantization_plan({"quantization_config": {
         "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
@@ -606,4 +633,4 @@ def test_packed_experts_of_a_format_not_served_are_refused_naming_the_tensor():
         ("packed", (16, 4), torch.int32), ("scale", (16, 2), torch.float32), ("shape", (2,), torch.int64),
         ("zero_point", (2, 2), torch.int32))}
     with pytest.raises(CheckpointError, match=r"asymmetric\) is not served for experts.*experts.0.gate_proj.weight_packed"):
-        quantize_packed_experts(model, plan, {f"{prefix}.gate_up_proj": (sources, 2)}, stored)
+        quantize_linear_experts(model, plan, {f"{prefix}.gate_up_proj": (sources, 2)}, stored)

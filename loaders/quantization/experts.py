@@ -99,6 +99,25 @@ def _dequantized_packed(proj: str):
     return property(weight, doc=f"``{proj}`` of the routed experts, decompressed from their packed codes and scales")
 
 
+def _dequantized_linears(proj: str):
+    def weight(self) -> torch.Tensor:
+        from loaders.quantization.linear import dequantize_stored
+
+        fmt, parts, columns = self.linear_format, self.linear_parts[proj], self.linear_columns[proj]
+        tensors = {n: _routed(self, getattr(self, proj + suffix)) for n, suffix in self.linear_suffixes.items()}
+        experts = next(iter(tensors.values())).shape[0]
+        rows = self.__dict__[f"_{proj}_rows"]
+        out = torch.empty((experts, rows, columns), dtype=self.experts_dtype, device=tensors["qweight"].device)
+        for e in range(experts):  # each expert's linear, each part (gate, up) its own, as stored
+            pieces = {n: t[e].chunk(parts, dim=0) for n, t in tensors.items()}
+            for part in range(parts):
+                out[e, part * rows // parts:(part + 1) * rows // parts] = dequantize_stored(
+                    fmt, {n: chunks[part] for n, chunks in pieces.items()}, rows // parts, columns)
+        return out
+
+    return property(weight, doc=f"``{proj}`` of the routed experts, dequantized from their GPTQ or AWQ tensors")
+
+
 def _check_packed_shapes(module: nn.Module) -> None:
     """Each expert's stored ``weight_shape`` against the layer's (once, at the first forward)."""
     for proj, parts in module.packed_parts.items():
@@ -145,13 +164,15 @@ _SUBCLASSES: dict[tuple[type, str, tuple[str, ...]], type] = {}
 
 
 def _quantized_class(cls: type, kind: str, projections: tuple[str, ...], biases: tuple[str, ...] = ()) -> type:
-    """``cls`` with ``projections`` read through the ``kind`` (``MXFP4``, ``FP8`` or ``Packed``) dequantization,
+    """``cls`` with ``projections`` read through the ``kind`` (``MXFP4``, ``FP8``, ``Packed``, ``GPTQ``,
+    ``AWQ``) dequantization,
     of the routed experts only (``biases``: its per-expert bias parameters, read likewise) (one
     subclass per class, kind and set)."""
     key = (cls, kind, projections, biases)
     if key not in _SUBCLASSES:
         name = f"{kind}{cls.__name__}" + ("" if projections == FUSED_PROJECTIONS else "_" + "_".join(projections))
-        getter = {"MXFP4": _dequantized_mxfp4, "FP8": _dequantized_fp8, "Packed": _dequantized_packed}[kind]
+        getter = {"MXFP4": _dequantized_mxfp4, "FP8": _dequantized_fp8, "Packed": _dequantized_packed,
+                  "GPTQ": _dequantized_linears, "AWQ": _dequantized_linears}[kind]
         subclass = type(name, (cls,), {**{p: getter(p) for p in projections}, **{b: _routed_bias(b) for b in biases},
                                        "forward": _routed_forward(cls.forward), "__module__": __name__})
         # importable by name, as pickle finds classes (compiled graphs saved to disk name their modules' classes)
@@ -264,82 +285,110 @@ def quantize_fp8_experts(model: nn.Module, fused: dict[str, tuple[list[str], int
     return changed, taken
 
 
-def quantize_packed_experts(model: nn.Module, plan, fused: dict[str, tuple[list[str], int]],
+EXPERT_STORAGE = {
+    "pack-quantized": {"weight_packed": "_packed", "weight_scale": "_packed_scale", "weight_shape": "_packed_shape"},
+    "gptq": {"qweight": "_qweight", "qzeros": "_qzeros", "scales": "_scales", "g_idx": "_g_idx"},
+    "awq": {"qweight": "_qweight", "qzeros": "_qzeros", "scales": "_scales"},
+}
+"""For each linear format served for experts: each stored tensor's suffix on the fused parameter's
+name in the model (``loaders.conversion.QUANTIZED_COMPANIONS`` stacks them under those names)."""
+
+
+def quantize_linear_experts(model: nn.Module, plan, fused: dict[str, tuple[list[str], int]],
                             stored: dict[str, tuple[tuple[int, ...], torch.dtype]],
                             path: str | None = None) -> tuple[dict[str, int], set[str]]:
     """Swap, in the meta skeleton ``model``, each fused experts parameter whose checkpoint sources
-    are compressed-tensors ``pack-quantized`` linears (each expert's ``weight_packed``,
-    ``weight_scale``, ``weight_shape``: llm-compressor's W4A16 and W8A16 of Qwen3-MoE, DeepSeek, ...)
-    for ``<proj>_packed`` (the stacked int32 codes, as stored), ``<proj>_packed_scale`` and
-    ``<proj>_packed_shape``. ``plan``: the checkpoint's QuantizationPlan, whose format for each
-    expert's linear says how it is packed; ``fused``: model name of a fused parameter -> (its
-    sources' ``.weight`` names, as a dense checkpoint would store them; the parts concatenated
-    along its rows). Returns ({format: modules changed}, the checkpoint keys they take). A format
-    other than symmetric weight-only ``pack-quantized`` (zero points, quantized activations), a
-    missing tensor or a shape that does not stack is an error naming the tensor."""
-    from compressed_tensors.compressors import BaseCompressor
+    are quantized linears, each expert's under its own name, for their stored tensors stacked by
+    experts (:data:`EXPERT_STORAGE`): compressed-tensors ``pack-quantized`` (llm-compressor's
+    W4A16 / W8A16 of Qwen3-MoE, DeepSeek, ...: ``<proj>_packed`` int32 codes, ``_packed_scale``,
+    ``_packed_shape``), GPTQ and AWQ (GPTQModel's and AutoAWQ's MoE checkpoints: ``<proj>_qweight``,
+    ``_qzeros``, ``_scales``, GPTQ's ``_g_idx``). Gate's and up's tensors are concatenated along each
+    expert's first dimension, whatever it means for the format (rows for pack-quantized, packed
+    inputs or groups for GPTQ and AWQ): a forward splits them back into parts.
 
+    ``plan``: the checkpoint's QuantizationPlan, whose format for each expert's linear says how it
+    is stored; ``fused``: model name of a fused parameter -> (its sources' ``.weight`` names, as a
+    dense checkpoint would store them; the parts concatenated along its rows). Returns ({format:
+    modules changed}, the checkpoint keys they take). Pack-quantized with zero points or quantized
+    activations, a missing tensor or a shape that does not stack is an error naming the tensor."""
     from loaders.quantization.formats import enum_value
+    from loaders.quantization.linear import stored_shapes
 
     counts: dict[str, int] = {}
     taken: set[str] = set()
+
+    def format_of(key: str, rows: int, columns: int):
+        linear = key.removesuffix(".weight")
+        fmt = plan.format_for(linear, nn.Linear(columns, rows, bias=False, device="meta"))
+        if fmt is None or fmt.kind not in EXPERT_STORAGE or f"{linear}.{fmt.stored_names[0]}" not in stored:
+            return None
+        return fmt
+
     for name, module in list(model.named_modules()):
         own = dict(module.named_parameters(recurse=False))
-        projections = [p for p in own if f"{name}.{p}" in fused and own[p].dim() == 3
-                       and any(k + "_packed" in stored for k in fused[f"{name}.{p}"][0])]
+        projections = [p for p in own if f"{name}.{p}" in fused and own[p].dim() == 3 and any(
+            format_of(k, own[p].shape[1] // fused[f"{name}.{p}"][1], own[p].shape[2])
+            for k in fused[f"{name}.{p}"][0])]
         if not projections:
             continue
+        first = fused[f"{name}.{projections[0]}"][0][0].removesuffix(".weight")
         if getattr(module, "is_transposed", False):
-            raise CheckpointError(f"{name}: packed experts of a transposed layout are not supported", path=path,
-                                  tensor=fused[f"{name}.{projections[0]}"][0][0] + "_packed")
+            raise CheckpointError(f"{name}: quantized experts of a transposed layout are not supported", path=path,
+                                  tensor=first)
         dtypes, parts_of, columns_of, fmt = set(), {}, {}, None
         for proj in projections:
             dense, (keys, parts) = own[proj], fused[f"{name}.{proj}"]
             experts, rows, columns = dense.shape
             if rows % parts:
                 raise CheckpointError(f"{name}.{proj} {tuple(dense.shape)}: {rows} rows do not split into {parts}",
-                                      path=path, tensor=keys[0] + "_packed")
+                                      path=path, tensor=keys[0])
             for key in keys:
                 linear = key.removesuffix(".weight")
-                got = plan.format_for(linear, nn.Linear(columns, rows // parts, bias=False, device="meta"))
-                w = got.scheme.weights if got is not None and got.scheme is not None else None
-                if (got is None or got.kind != "pack-quantized" or got.scheme.input_activations is not None
-                        or not w.symmetric or enum_value(w.strategy) not in ("group", "channel")):
-                    raise CheckpointError(f"{linear} is stored packed but its format ({got and got.describe()}) is not "
+                got = format_of(key, rows // parts, columns)
+                if got is None:
+                    raise CheckpointError(f"{linear} is not stored quantized as its experts' others are", path=path,
+                                          tensor=key)
+                w = got.scheme.weights if got.scheme is not None else None
+                if got.kind == "pack-quantized" and (got.scheme.input_activations is not None or not w.symmetric
+                                                     or enum_value(w.strategy) not in ("group", "channel")):
+                    raise CheckpointError(f"{linear} is stored packed but its format ({got.describe()}) is not "
                                           "served for experts (symmetric weight-only pack-quantized by groups or "
-                                          "channels)", path=path, tensor=key + "_packed")
+                                          "channels)", path=path, tensor=f"{linear}.weight_packed")
                 if fmt is not None and got != fmt:
                     raise CheckpointError(f"the experts of {name} mix formats ({fmt.describe()}, {got.describe()})",
-                                          path=path, tensor=key + "_packed")
+                                          path=path, tensor=f"{linear}.{got.stored_names[0]}")
                 fmt = got
-                groups = 1 if enum_value(w.strategy) == "channel" else -(-columns // w.group_size)
-                want = {"_packed": (rows // parts, -(-columns * w.num_bits // 32)), "_scale": (rows // parts, groups),
-                        "_shape": (2,)}
-                for suffix, shape in want.items():
-                    entry = stored.get(key + suffix)
-                    if entry is None or tuple(entry[0]) != shape:
-                        raise CheckpointError(f"{key + suffix} is {entry and tuple(entry[0])}, expected {shape} for "
-                                              f"{name}.{proj} {tuple(dense.shape)}", path=path, tensor=key + suffix)
-                    taken.add(key + suffix)
-            scale_dtype = stored[keys[0] + "_scale"][1]
+                shapes = stored_shapes(fmt, rows // parts, columns)
+                for stored_name, shape in shapes.items():
+                    entry = stored.get(f"{linear}.{stored_name}")
+                    if entry is None or tuple(entry[0]) != tuple(shape):
+                        raise CheckpointError(f"{linear}.{stored_name} is {entry and tuple(entry[0])}, expected "
+                                              f"{tuple(shape)} for {name}.{proj} {tuple(dense.shape)}", path=path,
+                                              tensor=f"{linear}.{stored_name}")
+                    taken.add(f"{linear}.{stored_name}")
             dtypes.add(dense.dtype)
             delattr(module, proj)
-            module.register_parameter(f"{proj}_packed", nn.Parameter(torch.empty(
-                (experts, rows, want["_packed"][1]), dtype=torch.int32, device="meta"), requires_grad=False))
-            module.register_parameter(f"{proj}_packed_scale", nn.Parameter(torch.empty(
-                (experts, rows, groups), dtype=scale_dtype, device="meta"), requires_grad=False))
-            module.register_parameter(f"{proj}_packed_shape", nn.Parameter(torch.empty(
-                (experts, 2 * parts), dtype=stored[keys[0] + "_shape"][1], device="meta"), requires_grad=False))
+            for stored_name, suffix in EXPERT_STORAGE[fmt.kind].items():
+                shape, dtype = shapes[stored_name], stored[f"{keys[0].removesuffix('.weight')}.{stored_name}"][1]
+                module.register_parameter(proj + suffix, nn.Parameter(torch.empty(
+                    (experts, parts * shape[0], *shape[1:]), dtype=dtype, device="meta"), requires_grad=False))
             module.__dict__[f"_{proj}_rows"] = rows
             parts_of[proj], columns_of[proj] = parts, columns
         module.experts_dtype = dtypes.pop()
-        module.packed_parts, module.packed_columns = parts_of, columns_of
-        module.packed_scheme = fmt.scheme
-        module.packed_compressor = BaseCompressor.get_value_from_registry(fmt.kind)
-        module.row_sharded = tuple(f"{p}{suffix}" for p in projections for suffix in ("_packed", "_packed_scale",
-                                                                                       "_packed_shape"))
+        module.row_sharded = tuple(proj + suffix for proj in projections for suffix in EXPERT_STORAGE[fmt.kind].values())
         module.quantized_tensor_names = module.row_sharded
-        module.__class__ = _quantized_class(type(module), "Packed", tuple(projections), _expert_biases(module))
+        if fmt.kind == "pack-quantized":
+            from compressed_tensors.compressors import BaseCompressor
+
+            module.packed_parts, module.packed_columns = parts_of, columns_of
+            module.packed_scheme = fmt.scheme
+            module.packed_compressor = BaseCompressor.get_value_from_registry(fmt.kind)
+            kind = "Packed"
+        else:
+            module.linear_format, module.linear_parts, module.linear_columns = fmt, parts_of, columns_of
+            module.linear_suffixes = EXPERT_STORAGE[fmt.kind]
+            kind = fmt.kind.upper()
+        module.__class__ = _quantized_class(type(module), kind, tuple(projections), _expert_biases(module))
         what = f"{fmt.describe()} experts"
         counts[what] = counts.get(what, 0) + 1
     return counts, taken

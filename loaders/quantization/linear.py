@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loaders.errors import CheckpointError
-from loaders.quantization.experts import quantize_fp8_experts, quantize_fused_experts, quantize_packed_experts
+from loaders.quantization.experts import quantize_fp8_experts, quantize_fused_experts, quantize_linear_experts
 from loaders.quantization.formats import (COMPRESSED_FORMATS, MXFP4_EXPERTS, LinearFormat, QuantizationPlan,
                                           dequantize_fp8_block, enum_value, fp8_scale_shape)
 from shard_engine.ops import define_op
@@ -166,14 +166,9 @@ class QuantizedLinear(nn.Module):
         """The weight as transformers' load of the checkpoint holds it in a model of ``dtype``
         (float32 for fp8 blocks, cast to ``dtype`` by the caller as transformers casts it)."""
         fmt = self.format
-        if fmt.kind == "fp8-block":
-            return dequantize_fp8_block(self.weight, self.weight_scale_inv, fmt.block)
-        if fmt.kind == "gptq":
-            return dequantize_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, fmt.bits, fmt.zero_offset,
-                                   self.in_features, self.out_features)
-        if fmt.kind == "awq":
-            return dequantize_awq(self.qweight, self.qzeros, self.scales, fmt.group_size or self.in_features,
-                                  self.in_features, self.out_features)
+        if fmt.kind in ("fp8-block", "gptq", "awq"):
+            return dequantize_stored(fmt, {n: getattr(self, n) for n in fmt.stored_names}, self.out_features,
+                                     self.in_features)
         if not self._checked:
             self._check_shape()
         state = {name: getattr(self, name) for name in self._names}
@@ -200,6 +195,22 @@ class QuantizedLinear(nn.Module):
             raise CheckpointError(f"weight_shape {stored.tolist()} != the layer's "
                                   f"{[self.out_features, self.in_features]}")
         self._checked = True
+
+
+def dequantize_stored(fmt: LinearFormat, tensors: dict[str, torch.Tensor], out_features: int,
+                      in_features: int) -> torch.Tensor:
+    """An FP8-block, GPTQ or AWQ linear's weight [out, in] in float32 from its stored ``tensors``
+    (by their checkpoint names): a QuantizedLinear's, or one expert's of stacked quantized experts
+    (``loaders.quantization.experts``)."""
+    if fmt.kind == "fp8-block":
+        return dequantize_fp8_block(tensors["weight"], tensors["weight_scale_inv"], fmt.block)
+    if fmt.kind == "gptq":
+        return dequantize_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"], fmt.bits,
+                               fmt.zero_offset, in_features, out_features)
+    if fmt.kind == "awq":
+        return dequantize_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], fmt.group_size or in_features,
+                              in_features, out_features)
+    raise ValueError(f"{fmt.kind} is dequantized by compressed-tensors' compressors")
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -278,8 +289,8 @@ def quantize_skeleton(model: nn.Module, plan: QuantizationPlan, stored: dict[str
         experts, taken = quantize_fp8_experts(model, fused, stored, block, path=path)
         if experts:
             counts[f"fp8 e4m3 experts, {block[0]}x{block[1]} blocks"] = experts
-    if plan.method == "compressed-tensors" and fused:
-        experts, taken = quantize_packed_experts(model, plan, fused, stored, path=path)
+    if plan.method in ("compressed-tensors", "gptq", "awq") and fused:
+        experts, taken = quantize_linear_experts(model, plan, fused, stored, path=path)
         counts.update(experts)
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
@@ -317,8 +328,8 @@ def check_nothing_else_quantized(model: nn.Module, stored: dict[str, tuple[tuple
             continue
         if dtype in QUANTIZED_DTYPES or name.rpartition(".")[2] in QUANTIZED_SUFFIXES:
             raise CheckpointError(f"{name} is stored quantized ({dtype}) but belongs to no layer the server "
-                                  "dequantizes (of experts, MXFP4, fp8 blocks and symmetric weight-only pack-quantized "
-                                  "are served; other non-Linear weights are not)",
+                                  "dequantizes (of experts, MXFP4, fp8 blocks, symmetric weight-only pack-quantized, "
+                                  "GPTQ and AWQ are served; other non-Linear weights are not)",
                                   path=path, tensor=name)
 
 
