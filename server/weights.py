@@ -244,6 +244,9 @@ def _parse(body) -> tuple[str, str, str]:
     return source, version or label(os.path.basename(source.rstrip("/"))), mode
 
 
+UPDATES_KEPT = 4
+"""Directories of object-storage updates a host keeps (``update_directory``)."""
+
 SMALL_FILES = ("config.json", "model.safetensors.index.json")
 """What every rank needs of a checkpoint in object storage besides ``remote.json``: its rows are read
 from the store itself (``loaders.remote``)."""
@@ -259,7 +262,12 @@ def _local_checkpoint(source: str) -> tuple[str, dict[str, bytes]]:
     from loaders.remote import REMOTE_FILE
     from loaders.sources.s3 import resolve_s3
 
-    local = resolve_s3(source)
+    try:
+        local = resolve_s3(source)
+    except ValueError as e:  # (its words name --model, as the load's; here it is the update's source)
+        raise ValueError(str(e).replace(f"--model {source}: ", "")) from None
+    except Exception as e:  # noqa: BLE001 - botocore's transport errors, a full disk: the source cannot be read
+        raise ValueError(f"cannot fetch its files: {type(e).__name__}: {e}") from None
     files = {}
     for name in (*SMALL_FILES, REMOTE_FILE):
         path = os.path.join(local, name)
@@ -298,6 +306,12 @@ def update_directory(update) -> str:
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    # an RL loop updates every step: keep this and the few before it (another rank may still read one)
+    kept = sorted((os.path.join(root, n) for n in os.listdir(root) if not n.startswith(".")),
+                  key=lambda p: os.stat(p).st_mtime if os.path.exists(p) else 0, reverse=True)
+    for old in kept[UPDATES_KEPT:]:
+        if old != target:
+            shutil.rmtree(old, ignore_errors=True)
     return target
 
 

@@ -412,3 +412,27 @@ def test_auto_kv_pool_on_cpu_is_a_fifth_of_available_memory_split_between_the_ra
         kernel = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     monkeypatch.undo()
     assert abs(rank._available_memory() - kernel) < 0.2 * kernel
+
+
+def test_a_sequence_failed_on_its_rank_leaves_no_blocks_in_the_prefix_cache():
+    """A sequence its rank drops before computing its chunk (an image whose rows miscount its
+    placeholders: RankEngine._encode) ends with an error result: the blocks planned for it were
+    never written, so none is registered for a later prompt to hit."""
+    from server.engine import BlockPool, Scheduler
+    from server.engine.plan import StepResult, TokenResult
+    from server.engine.sampling import SamplingParams
+    from server.engine.scheduler import RequestHandle
+
+    scheduler = Scheduler(pools=[BlockPool(100, 4)], replicas=[[0]], rank_ids=[0], max_running=8,
+                          max_total_tokens=64, eos_token_ids={0})
+    prompt, events = list(range(3, 19)), []
+    failed = RequestHandle(prompt, SamplingParams(max_new_tokens=2), deliver=events.append)
+    scheduler.submit(failed)
+    assert scheduler.next_plan().work[0][0].count == 16
+    scheduler.on_results([StepResult(0, [TokenResult(failed.seq_id, -1, 0.0, error="an image encoded to 3 "
+                                                     "embeddings for its 4 placeholders")], 0, 1, 0, 0)])
+    assert "generation failed" in events[-1].message
+    again = RequestHandle(prompt, SamplingParams(max_new_tokens=2), deliver=lambda event: None)
+    scheduler.submit(again)
+    work = next(w for w in scheduler.next_plan().work[0] if w.seq_id == again.seq_id)
+    assert work.start == 0 and work.count == 16  # computed whole: no block of the failed one matched

@@ -179,8 +179,9 @@ def test_the_image_cache_book_keeps_the_most_recent_within_its_rows():
     assert forget == [b"c"]
     book.take(0, image(b"c", 4), forget)  # ... and back in the same step: the rank must keep it
     assert b"c" not in forget and book.take(0, image(b"c", 4), []).cached
-    book.clear()
-    assert not book.take(1, image(b"a", 4), []).cached
+    forget = {}
+    book.clear(forget)  # a pause clearing caches: each rank is told what it holds
+    assert forget == {0: [b"d", b"c"], 1: [b"a"]} and not book.take(1, image(b"a", 4), []).cached
     forget = []
     zero = ImageCacheBook(ranks=1, capacity=0)
     assert not zero.take(0, image(b"a", 1), forget).cached and forget == [b"a"]  # --mm-embedding-cache 0

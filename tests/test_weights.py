@@ -194,6 +194,29 @@ def test_vllms_pause_update_resume_recomputes_the_kept_on_the_new_weights(served
     assert_greedy_tokens(served, served.references["b"], TOKENS)
 
 
+def test_vllms_pause_resumed_before_it_took_answers_409_and_a_second_pause_changes_nothing(served):
+    """A ``wait`` pause waits for the running stream; a resume before then answers the pause with
+    409 (it never took) and the stream finishes. A pause while paused answers at once, as it was."""
+    from tests.waiting import wait_until
+
+    threads, outs = _running_streams(served, 1)
+    answered = {}
+    pausing = threading.Thread(target=lambda: answered.update(r=served.client.post(
+        "/pause", params={"mode": "wait"})), daemon=True)
+    pausing.start()
+    wait_until(lambda: served.client.get("/is_paused").json()["is_paused"], 30, "the pause under way")
+    assert served.client.post("/resume").status_code == 200
+    pausing.join(30)
+    assert answered["r"].status_code == 409 and "resumed" in answered["r"].json()["error"], answered["r"].text
+    threads[0].join(30)
+    assert len(outs[0]) == STREAM_TOKENS
+    assert served.client.post("/pause", params={"mode": "keep"}).status_code == 200
+    r = served.client.post("/pause", params={"mode": "abort"})  # already paused: nothing aborted, still keep
+    assert r.status_code == 200 and served.client.get("/is_paused").json() == {"is_paused": True}
+    served.client.post("/resume")
+    assert_greedy_tokens(served, served.references["b"], TOKENS)
+
+
 def test_vllms_pause_abort_ends_the_running_and_bad_modes_are_refused(served):
     threads, outs = _running_streams(served, 1)
     assert served.client.post("/pause").status_code == 200  # vLLM's default: abort

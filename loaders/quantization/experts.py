@@ -147,7 +147,9 @@ def _routed_forward(forward):
     a decode step dequantizes top-k experts a token, not every expert of the layer. Inside a
     compiled graph (whose shapes cannot follow the routing) every expert is dequantized, as before."""
     def routed_forward(self, hidden_states, top_k_index, *args, **kwargs):
-        if torch.compiler.is_compiling():
+        if (torch.compiler.is_compiling() or getattr(self, "_is_expert_parallel", False)
+                or not isinstance(getattr(self, "num_experts", None), int)):
+            # (expert-parallel sentinels and experts without a count of their own: every expert, as before)
             return forward(self, hidden_states, top_k_index, *args, **kwargs)
         routed, renumbered = torch.unique(top_k_index, return_inverse=True)
         experts = self.num_experts

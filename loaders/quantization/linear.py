@@ -348,6 +348,6 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
             p = getattr(module, name)
             local = p.to_local() if isinstance(p, DTensor) else p
             key = "weights" if name in ("weight", "weight_packed", "qweight") or name.endswith(
-                ("_blocks", "_fp8", "_packed")) else "scales"
+                ("_blocks", "_fp8", "_packed", "_qweight")) else "scales"
             out[key] += local.numel() * local.element_size()
     return out

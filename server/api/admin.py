@@ -13,7 +13,8 @@ SGLang's routes where their meaning is the same: ``POST /update_weights_from_dis
 
 vLLM's pause routes: ``POST /pause?mode=abort|wait|keep&clear_cache=true|false`` (vLLM's
 defaults: abort, true) answers once the pause has taken (running sequences ended, finished or
-frozen); new requests queue until ``POST /resume``; ``GET /is_paused``. An aborted sequence ends
+frozen; 409 where a resume came first; a pause while paused changes nothing); new requests queue
+until ``POST /resume``; ``GET /is_paused``. An aborted sequence ends
 with an error event, not vLLM's partial output with ``finish_reason: abort``.
 
 ``POST /admin/peer-load``: a group starting with ``--load-from-peer`` asks this one for its
@@ -30,7 +31,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from server.api.generation import off_loop, require_ready
-from server.http.errors import APIError, ForbiddenError, InputValidationError
+from server.http.errors import APIError, ConflictError, ForbiddenError, InputValidationError, UnavailableError
 from server.http.state import ServerState, server_state
 from server.peer import ROUTE
 
@@ -113,7 +114,12 @@ async def pause(state: ServerState = Depends(server_state), mode: str = "abort",
     if clear_cache.lower() not in ("true", "false", "1", "0"):
         raise InputValidationError(f"clear_cache: true or false, got {clear_cache!r}", param="clear_cache")
     failed = lambda: state.phase == "failed"  # noqa: E731
-    await off_loop(state.scheduler.pause, mode, clear_cache.lower() in ("true", "1"), failed)
+    try:
+        paused = await off_loop(state.scheduler.pause, mode, clear_cache.lower() in ("true", "1"), failed)
+    except RuntimeError as e:
+        raise UnavailableError(str(e)) from None
+    if not paused:
+        raise ConflictError("resumed (POST /resume) before the pause took")
     return {"status": "paused", "mode": mode}
 
 

@@ -314,9 +314,13 @@ class ImageCacheBook:
         """Embedding rows of ``images`` that ``rank`` holds (where to place their sequence)."""
         return sum(image.count for image in images if image.key in self._held[rank])
 
-    def clear(self) -> None:
-        """New weights: every rank's cache is dropped (their embeddings were the old weights')."""
-        for held in self._held:
+    def clear(self, forget: dict[int, list[bytes]] | None = None) -> None:
+        """Every rank's cache is dropped: new weights (their embeddings were the old weights'; the
+        ranks drop theirs as they update), or a pause clearing caches, whose ranks are told in
+        ``forget`` (a plan's ``forget_images``)."""
+        for rank, held in enumerate(self._held):
+            if forget is not None and held:
+                forget.setdefault(rank, []).extend(held)
             held.clear()
         self._rows = [0] * len(self._rows)
 

@@ -180,7 +180,11 @@ class BatchSampler:
         if self.never:
             logits_NV[:, self.never] = float("-inf")
         if allowed is not None:
-            if not bool(allowed.allowed_MV.any(dim=-1).all()):
+            choosable = allowed.allowed_MV
+            if self.never:
+                choosable = choosable.clone()
+                choosable[:, self.never] = False
+            if not bool(choosable.any(dim=-1).all()):
                 raise ValueError("the grammar allows no token here")
             masked_MV = torch.where(allowed.allowed_MV, logits_NV.index_select(0, allowed.rows_M), float("-inf"))
             logits_NV.index_copy_(0, allowed.rows_M, masked_MV)

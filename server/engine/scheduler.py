@@ -178,11 +178,10 @@ class Scheduler:
         self._update = None  # (WeightUpdate, mode) not yet planned (update_weights)
         self._go = False  # every group is quiet: plan the update (start_update)
         self._holding = False  # quiet for an update: no work until release_update
-        # vLLM's POST /pause: (mode, clear_cache) while paused (pause); ``pause_settled`` once its running
-        # sequences are done (wait), ended (abort) or frozen (keep)
-        self._pause: tuple[str, bool] | None = None
+        # vLLM's POST /pause: (mode, clear_cache, its event) while paused (pause); the event is set once its
+        # running sequences are done (wait), ended (abort) or frozen (keep), or once resumed first
+        self._pause: tuple[str, bool, threading.Event] | None = None
         self._pause_settled = False
-        self.pause_settled = threading.Event()
         self.update_reports: list = []  # its ranks' UpdateReports of the last update
         self.weights_version = ""  # what its tokens are computed with: the last update that every rank wrote
         self._next_version = ""  # the planned update's, once every rank reports it written
@@ -250,15 +249,18 @@ class Scheduler:
     def start_update(self) -> None:
         self._inbox.put(("go", None))
 
-    def pause(self, mode: str, clear_cache: bool = True) -> None:
+    def pause(self, mode: str, clear_cache: bool = True) -> threading.Event:
         """vLLM's pause: admission stops (new requests queue until :meth:`resume`); ``wait`` lets the
-        running sequences finish, ``abort`` ends the running and queued ones with an error, ``keep``
-        freezes the running ones. ``clear_cache``: the cached prefixes and image embeddings are
-        dropped once settled, and kept sequences give their blocks back, to be recomputed at resume
-        (as vLLM discards their KV: whatever weights are loaded meanwhile compute all of it). Sets
-        ``pause_settled`` once the running sequences are done, ended or frozen."""
-        self.pause_settled.clear()
-        self._inbox.put(("pause", (mode, clear_cache)))
+        running sequences finish (those preempted meanwhile too), ``abort`` ends the running and
+        queued ones with an error, ``keep`` freezes the running ones. ``clear_cache``: the cached
+        prefixes and image embeddings are dropped once settled (on the ranks too), and kept
+        sequences give their blocks back, to be recomputed at resume (as vLLM discards their KV:
+        whatever weights are loaded meanwhile compute all of it). Returns an event set once the
+        running sequences are done, ended or frozen, or once resumed before that (``paused_by_request``
+        tells which); a pause while paused changes nothing and its event is set at once."""
+        settled = threading.Event()
+        self._inbox.put(("pause", (mode, clear_cache, settled)))
+        return settled
 
     def resume(self) -> None:
         self._inbox.put(("resume", None))
@@ -276,9 +278,13 @@ class Scheduler:
         """Paused by :meth:`pause` (vLLM's ``/is_paused``)."""
         return self._pause is not None
 
+    def _drained(self) -> bool:
+        """No sequence runs, and none waits that had started (preempted: it must finish too)."""
+        return not self._running and not any(h.started_at is not None for h in self._waiting)
+
     def _frozen(self) -> bool:
         """Paused with nothing to compute: every running sequence kept, or none left."""
-        return self._pause is not None and (self._pause[0] == "keep" or not self._running)
+        return self._pause is not None and (self._pause[0] == "keep" or self._drained())
 
     def request_shutdown(self, timeout_s: float = float("inf")) -> None:
         """Stop once the open requests have finished, or after ``timeout_s`` whatever remains."""
@@ -317,7 +323,7 @@ class Scheduler:
         if self._frozen() and not self._pause_settled:
             self._settle_pause(plan)
         if self._update is not None and not self._holding and (
-                self._update[1] == "keep" or not self._running or self._frozen()):
+                self._update[1] == "keep" or self._drained() or self._frozen()):
             self._holding = True  # quiet: the router starts every group's update once all are
             self.quiet.set()
         if self._holding and self._go and self._update is not None:
@@ -329,8 +335,8 @@ class Scheduler:
         elif not self._holding and not self._frozen():
             continuing = self._plan_decodes(plan)
             budget = self._prefill_budgets(continuing)
-            if self._update is None and self._pause is None:
-                self._admit(plan, budget)
+            # while an update or a pause waits for the running, only those preempted meanwhile come back
+            self._admit(plan, budget, started_only=self._update is not None or self._pause is not None)
             for handle in continuing:  # the rest of longer prompts, after new requests' first chunks
                 self._plan_chunk(handle, plan, budget)
         plan.forward = any(plan.work.values())
@@ -370,14 +376,18 @@ class Scheduler:
                         running.deliver(ErrorEvent("aborted: the server's weights are being updated "
                                                    "(POST /admin/weights, mode abort)"))
             elif kind == "pause":
-                self._pause, self._pause_settled = handle, False
-                if handle[0] == "abort":
-                    for ended in list(self._running.values()) + list(self._waiting):
-                        self._end(ended)
-                        ended.deliver(ErrorEvent("aborted: generation was paused (POST /pause, mode abort)"))
+                if self._pause is not None:  # already paused: as it was
+                    handle[2].set()
+                else:
+                    self._pause, self._pause_settled = handle, False
+                    if handle[0] == "abort":
+                        for ended in list(self._running.values()) + list(self._waiting):
+                            self._end(ended)
+                            ended.deliver(ErrorEvent("aborted: generation was paused (POST /pause, mode abort)"))
             elif kind == "resume":
+                if self._pause is not None:
+                    self._pause[2].set()  # a pause not yet settled answers now
                 self._pause = None
-                self.pause_settled.clear()
             elif kind == "go":
                 self._go = True
             elif kind == "release":
@@ -395,9 +405,9 @@ class Scheduler:
                 self._preempt(handle, plan, counted=False)  # queued first again, oldest first
             for pool in self.pools:
                 pool.forget_prefixes()
-            self.image_cache.clear()
+            self.image_cache.clear(plan.forget_images)  # and the ranks let theirs go
         self._pause_settled = True
-        self.pause_settled.set()
+        self._pause[2].set()
 
     def _end(self, handle: RequestHandle) -> None:
         if handle.done:
@@ -524,9 +534,11 @@ class Scheduler:
         plan.work.setdefault(handle.rank, []).append(Work(handle.seq_id, handle.num_computed, count))
         handle.num_computed += count
 
-    def _admit(self, plan: StepPlan, budget: list[int]) -> None:
+    def _admit(self, plan: StepPlan, budget: list[int], started_only: bool = False) -> None:
         while self._waiting and len(self._running) < self.max_running:
             handle = self._waiting[0]
+            if started_only and handle.started_at is None:
+                return
             tokens = handle.tokens
             usable = (len(tokens) - 1) // self.block_size  # the last token is always computed
             if handle.params.prompt_logprobs is not None:
@@ -628,6 +640,8 @@ class Scheduler:
                 if handle is None or handle.done:
                     continue
                 if token.error is not None:
+                    # its blocks may never have been computed (an image that failed before the forward)
+                    handle.num_computed = handle.num_registered * self.block_size
                     self._close(handle)
                     self._to_remove.append(handle)  # already dropped on its rank
                     handle.deliver(ErrorEvent(f"generation failed: {token.error}"))

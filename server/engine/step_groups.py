@@ -132,13 +132,16 @@ class StepGroupRouter:
             reports += [r for s in schedulers for r in s.update_reports]
         return sorted(reports)
 
-    def pause(self, mode: str, clear_cache: bool = True, failed=lambda: False) -> None:
+    def pause(self, mode: str, clear_cache: bool = True, failed=lambda: False) -> bool:
         """vLLM's pause on every step group (``Scheduler.pause``); returns once each has settled:
-        its running sequences done (``wait``), ended (``abort``) or frozen (``keep``). RuntimeError
-        where ``failed()`` turns true first."""
-        for s in self.schedulers:
-            s.pause(mode, clear_cache)
-        self._wait_all(self.schedulers, "pause_settled", failed)
+        its running sequences done (``wait``), ended (``abort``) or frozen (``keep``): whether it is
+        still paused then (False: resumed first). RuntimeError where ``failed()`` turns true first."""
+        events = [s.pause(mode, clear_cache) for s in self.schedulers]
+        for event in events:
+            while not event.wait(0.5):
+                if failed():
+                    raise RuntimeError("the model group failed while pausing")
+        return self.paused_by_request
 
     def resume(self) -> None:
         for s in self.schedulers:
@@ -153,7 +156,7 @@ class StepGroupRouter:
         for s in schedulers:
             while not getattr(s, event).wait(0.5):
                 if failed():
-                    raise RuntimeError(f"the model group failed while waiting for its step groups ({event})")
+                    raise RuntimeError("the model group failed during the weight update")
 
     @property
     def paused(self) -> bool:
