@@ -227,6 +227,15 @@ def quantize_fused_experts(model: nn.Module, stored: dict[str, tuple[tuple[int, 
     return changed
 
 
+def _fused_shape(name: str, dense: nn.Parameter, keys: list[str], parts: int, path: str | None):
+    """(experts, rows, columns) of the fused parameter ``name``, whose rows its ``parts`` sources share."""
+    experts, rows, columns = dense.shape
+    if rows % parts:
+        raise CheckpointError(f"{name} {tuple(dense.shape)}: {rows} rows do not split into {parts}", path=path,
+                              tensor=keys[0])
+    return experts, rows, columns
+
+
 def quantize_fp8_experts(model: nn.Module, fused: dict[str, tuple[list[str], int]],
                          stored: dict[str, tuple[tuple[int, ...], torch.dtype]], block: tuple[int, int],
                          path: str | None = None) -> tuple[int, set[str]]:
@@ -249,10 +258,7 @@ def quantize_fp8_experts(model: nn.Module, fused: dict[str, tuple[list[str], int
         dtypes, parts_of = set(), {}
         for proj in projections:
             dense, (keys, parts) = own[proj], fused[f"{name}.{proj}"]
-            experts, rows, cols = dense.shape
-            if rows % parts:
-                raise CheckpointError(f"{name}.{proj} {tuple(dense.shape)}: {rows} rows do not split into {parts}",
-                                      path=path, tensor=keys[0])
+            experts, rows, cols = _fused_shape(f"{name}.{proj}", dense, keys, parts, path)
             want = (rows // parts, cols)
             scale_rows, scale_cols = fp8_scale_shape(*want, block)
             scale_dtypes = set()
@@ -340,10 +346,7 @@ def quantize_linear_experts(model: nn.Module, plan, fused: dict[str, tuple[list[
         dtypes, parts_of, columns_of, fmt = set(), {}, {}, None
         for proj in projections:
             dense, (keys, parts) = own[proj], fused[f"{name}.{proj}"]
-            experts, rows, columns = dense.shape
-            if rows % parts:
-                raise CheckpointError(f"{name}.{proj} {tuple(dense.shape)}: {rows} rows do not split into {parts}",
-                                      path=path, tensor=keys[0])
+            experts, rows, columns = _fused_shape(f"{name}.{proj}", dense, keys, parts, path)
             for key in keys:
                 linear = key.removesuffix(".weight")
                 got = format_of(key, rows // parts, columns)
