@@ -133,7 +133,7 @@ def _check_packed_shapes(module: nn.Module) -> None:
 
 def _routed_bias(name: str):
     def bias(self) -> torch.Tensor:
-        return _routed(self, self._parameters[name])
+        return _routed(self, nn.Module.__getattr__(self, name))  # the parameter itself, under this property
 
     return property(bias, doc=f"``{name}`` of the routed experts")
 
@@ -185,7 +185,8 @@ def _quantized_class(cls: type, kind: str, projections: tuple[str, ...], biases:
 
 def _expert_biases(module: nn.Module) -> tuple[str, ...]:
     """The module's per-expert bias parameters (gpt-oss's ``gate_up_proj_bias``, ``down_proj_bias``)."""
-    return tuple(f"{p}_bias" for p in FUSED_PROJECTIONS if f"{p}_bias" in module._parameters)
+    own = dict(module.named_parameters(recurse=False))
+    return tuple(f"{p}_bias" for p in FUSED_PROJECTIONS if f"{p}_bias" in own)
 
 
 def quantize_fused_experts(model: nn.Module, stored: dict[str, tuple[tuple[int, ...], torch.dtype]],
