@@ -289,7 +289,7 @@ def test_unsupported_quantization_is_named(qconfig, named):
 def test_gptq_and_awq_unpack_as_their_specifications_say(bits):
     """The server's vectorized unpacking against the loops of the formats' specifications, for every
     GPTQ width (the served checkpoints cover 4 and 8 bits) and AWQ's interleaved order."""
-    from loaders.quantization.linear import dequantize_awq, dequantize_gptq
+    from loaders.quantization.storage import dequantize_awq, dequantize_gptq
 
     gen = torch.Generator().manual_seed(bits)
     out, inn, group = 48, 64, 16

@@ -101,7 +101,7 @@ def _dequantized_packed(proj: str):
 
 def _dequantized_linears(proj: str):
     def weight(self) -> torch.Tensor:
-        from loaders.quantization.linear import dequantize_stored
+        from loaders.quantization.storage import dequantize_stored
 
         fmt, parts, columns = self.linear_format, self.linear_parts[proj], self.linear_columns[proj]
         tensors = {n: _routed(self, getattr(self, proj + suffix)) for n, suffix in self.linear_suffixes.items()}
@@ -321,7 +321,7 @@ def quantize_linear_experts(model: nn.Module, plan, fused: dict[str, tuple[list[
     modules changed}, the checkpoint keys they take). Pack-quantized with zero points or quantized
     activations, a missing tensor or a shape that does not stack is an error naming the tensor."""
     from loaders.quantization.formats import enum_value
-    from loaders.quantization.linear import stored_shapes
+    from loaders.quantization.storage import stored_shapes
 
     counts: dict[str, int] = {}
     taken: set[str] = set()
