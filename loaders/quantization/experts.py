@@ -85,7 +85,7 @@ def _dequantized_packed(proj: str):
     def weight(self) -> torch.Tensor:
         packed = _routed(self, getattr(self, f"{proj}_packed"))
         scales = _routed(self, getattr(self, f"{proj}_packed_scale"))
-        columns = self.packed_columns[proj]
+        columns = self.linear_columns[proj]
         if not self.__dict__.get("_shapes_checked"):
             _check_packed_shapes(self)
         # compressed-tensors' own decompression, in one call: by groups or channels every row stands alone, so
@@ -93,7 +93,7 @@ def _dequantized_packed(proj: str):
         experts, rows = packed.shape[:2]
         weight = self.packed_compressor.decompress(
             {"weight_packed": packed.reshape(experts * rows, -1), "weight_scale": scales.reshape(experts * rows, -1),
-             "weight_shape": torch.Size((experts * rows, columns))}, self.packed_scheme)["weight"]
+             "weight_shape": torch.Size((experts * rows, columns))}, self.linear_format.scheme)["weight"]
         return weight.reshape(experts, rows, columns).to(self.experts_dtype)
 
     return property(weight, doc=f"``{proj}`` of the routed experts, decompressed from their packed codes and scales")
@@ -103,10 +103,10 @@ def _dequantized_linears(proj: str):
     def weight(self) -> torch.Tensor:
         from loaders.quantization.storage import dequantize_stored
 
-        fmt, parts, columns = self.linear_format, self.linear_parts[proj], self.linear_columns[proj]
-        tensors = {n: _routed(self, getattr(self, proj + suffix)) for n, suffix in self.linear_suffixes.items()}
+        fmt, parts, columns, rows = (self.linear_format, self.linear_parts[proj], self.linear_columns[proj],
+                                     self.linear_rows[proj])
+        tensors = {n: _routed(self, getattr(self, proj + suffix)) for n, suffix in EXPERT_STORAGE[fmt.kind].items()}
         experts = next(iter(tensors.values())).shape[0]
-        rows = self.__dict__[f"_{proj}_rows"]
         out = torch.empty((experts, rows, columns), dtype=self.experts_dtype, device=tensors["qweight"].device)
         for e in range(experts):  # each expert's linear, each part (gate, up) its own, as stored
             pieces = {n: t[e].chunk(parts, dim=0) for n, t in tensors.items()}
@@ -120,11 +120,11 @@ def _dequantized_linears(proj: str):
 
 def _check_packed_shapes(module: nn.Module) -> None:
     """Each expert's stored ``weight_shape`` against the layer's (once, at the first forward)."""
-    for proj, parts in module.packed_parts.items():
+    for proj, parts in module.linear_parts.items():
         shapes = getattr(module, f"{proj}_packed_shape")
         if shapes.device.type == "meta":
             return
-        want = [module.__dict__[f"_{proj}_rows"] // parts, module.packed_columns[proj]] * parts
+        want = [module.linear_rows[proj] // parts, module.linear_columns[proj]] * parts
         for row in shapes.tolist():
             if row != want:
                 raise CheckpointError(f"an expert's weight_shape {row} != the layer's {want} ({proj})")
@@ -344,7 +344,7 @@ def quantize_linear_experts(model: nn.Module, plan, fused: dict[str, tuple[list[
         if getattr(module, "is_transposed", False):
             raise CheckpointError(f"{name}: quantized experts of a transposed layout are not supported", path=path,
                                   tensor=first)
-        dtypes, parts_of, columns_of, fmt = set(), {}, {}, None
+        dtypes, parts_of, columns_of, rows_of, fmt = set(), {}, {}, {}, None
         for proj in projections:
             dense, (keys, parts) = own[proj], fused[f"{name}.{proj}"]
             experts, rows, columns = _fused_shape(f"{name}.{proj}", dense, keys, parts, path)
@@ -378,22 +378,20 @@ def quantize_linear_experts(model: nn.Module, plan, fused: dict[str, tuple[list[
                 shape, dtype = shapes[stored_name], stored[f"{keys[0].removesuffix('.weight')}.{stored_name}"][1]
                 module.register_parameter(proj + suffix, nn.Parameter(torch.empty(
                     (experts, parts * shape[0], *shape[1:]), dtype=dtype, device="meta"), requires_grad=False))
-            module.__dict__[f"_{proj}_rows"] = rows
-            parts_of[proj], columns_of[proj] = parts, columns
+            parts_of[proj], columns_of[proj], rows_of[proj] = parts, columns, rows
         module.experts_dtype = dtypes.pop()
-        module.row_sharded = tuple(proj + suffix for proj in projections for suffix in EXPERT_STORAGE[fmt.kind].values())
+        module.row_sharded = tuple(proj + suffix for proj in projections
+                                   for suffix in EXPERT_STORAGE[fmt.kind].values())
         module.quantized_tensor_names = module.row_sharded
+        # each projection's parts (gate, up), columns and rows, as one expert's linears store them in ``fmt``
+        module.linear_format, module.linear_parts, module.linear_columns, module.linear_rows = \
+            fmt, parts_of, columns_of, rows_of
+        kind = fmt.kind.upper()
         if fmt.kind == "pack-quantized":
             from compressed_tensors.compressors import BaseCompressor
 
-            module.packed_parts, module.packed_columns = parts_of, columns_of
-            module.packed_scheme = fmt.scheme
-            module.packed_compressor = BaseCompressor.get_value_from_registry(fmt.kind)
+            module.packed_compressor = BaseCompressor.get_value_from_registry(fmt.kind)  # resolved once
             kind = "Packed"
-        else:
-            module.linear_format, module.linear_parts, module.linear_columns = fmt, parts_of, columns_of
-            module.linear_suffixes = EXPERT_STORAGE[fmt.kind]
-            kind = fmt.kind.upper()
         module.__class__ = _quantized_class(type(module), kind, tuple(projections), _expert_biases(module))
         what = f"{fmt.describe()} experts"
         counts[what] = counts.get(what, 0) + 1
