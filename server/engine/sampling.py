@@ -159,11 +159,11 @@ class BatchSampler:
     n-th token, so that its output replays whatever the batch around it; greedy rows are argmax.
     Not thread-safe (one per rank, used by its engine thread)."""
 
-    def __init__(self, never: list[int] = ()):
+    def __init__(self):
         self._generator = torch.Generator()
         # token ids no row ever chooses, whatever its biases and grammar (an image model's placeholders:
         # server.engine.multimodal.placeholder_ids); their log-probabilities are still the model's
-        self.never = list(never)
+        self.never: list[int] = []
 
     def sample(self, logits_NV: torch.Tensor, rows: list[Row],
                allowed: RowMasks | None = None) -> list[tuple[int, float, list[tuple[int, float]]]]:

@@ -181,7 +181,6 @@ class Scheduler:
         # vLLM's POST /pause: (mode, clear_cache, its event) while paused (pause); the event is set once its
         # running sequences are done (wait), ended (abort) or frozen (keep), or once resumed first
         self._pause: tuple[str, bool, threading.Event] | None = None
-        self._pause_settled = False
         self.update_reports: list = []  # its ranks' UpdateReports of the last update
         self.weights_version = ""  # what its tokens are computed with: the last update that every rank wrote
         self._next_version = ""  # the planned update's, once every rank reports it written
@@ -320,7 +319,7 @@ class Scheduler:
         for handle in self._to_remove:
             self._release(handle, plan)
         self._to_remove = []
-        if self._frozen() and not self._pause_settled:
+        if self._frozen() and not self._pause[2].is_set():
             self._settle_pause(plan)
         if self._update is not None and not self._holding and (
                 self._update[1] == "keep" or self._drained() or self._frozen()):
@@ -371,19 +370,16 @@ class Scheduler:
             elif kind == "update":
                 self._update = handle
                 if handle[1] == "abort":
-                    for running in list(self._running.values()):
-                        self._end(running)
-                        running.deliver(ErrorEvent("aborted: the server's weights are being updated "
-                                                   "(POST /admin/weights, mode abort)"))
+                    self._abort(list(self._running.values()),
+                                "aborted: the server's weights are being updated (POST /admin/weights, mode abort)")
             elif kind == "pause":
                 if self._pause is not None:  # already paused: as it was
                     handle[2].set()
                 else:
-                    self._pause, self._pause_settled = handle, False
+                    self._pause = handle
                     if handle[0] == "abort":
-                        for ended in list(self._running.values()) + list(self._waiting):
-                            self._end(ended)
-                            ended.deliver(ErrorEvent("aborted: generation was paused (POST /pause, mode abort)"))
+                        self._abort(list(self._running.values()) + list(self._waiting),
+                                    "aborted: generation was paused (POST /pause, mode abort)")
             elif kind == "resume":
                 if self._pause is not None:
                     self._pause[2].set()  # a pause not yet settled answers now
@@ -406,8 +402,12 @@ class Scheduler:
             for pool in self.pools:
                 pool.forget_prefixes()
             self.image_cache.clear(plan.forget_images)  # and the ranks let theirs go
-        self._pause_settled = True
         self._pause[2].set()
+
+    def _abort(self, handles: list[RequestHandle], message: str) -> None:
+        for handle in handles:
+            self._end(handle)
+            handle.deliver(ErrorEvent(message))
 
     def _end(self, handle: RequestHandle) -> None:
         if handle.done:

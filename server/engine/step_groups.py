@@ -122,10 +122,11 @@ class StepGroupRouter:
             for s in schedulers:
                 s.update_weights(update, mode)
             try:
-                self._wait_all(schedulers, "quiet", failed)  # nothing computes on these weights...
+                # nothing computes on these weights...
+                self._wait_all([s.quiet for s in schedulers], failed, "the weight update")
                 for s in schedulers:
                     s.start_update()  # ...before any rank writes them
-                self._wait_all(schedulers, "updated", failed)
+                self._wait_all([s.updated for s in schedulers], failed, "the weight update")
             finally:
                 for s in schedulers:
                     s.release_update()
@@ -136,11 +137,7 @@ class StepGroupRouter:
         """vLLM's pause on every step group (``Scheduler.pause``); returns once each has settled:
         its running sequences done (``wait``), ended (``abort``) or frozen (``keep``): whether it is
         still paused then (False: resumed first). RuntimeError where ``failed()`` turns true first."""
-        events = [s.pause(mode, clear_cache) for s in self.schedulers]
-        for event in events:
-            while not event.wait(0.5):
-                if failed():
-                    raise RuntimeError("the model group failed while pausing")
+        self._wait_all([s.pause(mode, clear_cache) for s in self.schedulers], failed, "the pause")
         return self.paused_by_request
 
     def resume(self) -> None:
@@ -152,11 +149,11 @@ class StepGroupRouter:
         return any(s.paused_by_request for s in self.schedulers)
 
     @staticmethod
-    def _wait_all(schedulers, event: str, failed) -> None:
-        for s in schedulers:
-            while not getattr(s, event).wait(0.5):
+    def _wait_all(events: list[threading.Event], failed, during: str) -> None:
+        for event in events:
+            while not event.wait(0.5):
                 if failed():
-                    raise RuntimeError("the model group failed during the weight update")
+                    raise RuntimeError(f"the model group failed during {during}")
 
     @property
     def paused(self) -> bool:
