@@ -83,6 +83,11 @@ def _config(family: str, vocab: int = 300):
         # grouped keys (40B, 180B)
         "falcon": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                          bos_token_id=0, eos_token_id=0, pad_token_id=0),
+        # and its ALiBi layout (Falcon-RW): 16 heads, whose slopes 2^(-k/2) make the model's bf16 rounding of
+        # slope x position matter
+        "falcon_rw": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=256, num_hidden_layers=2,
+                                            num_attention_heads=16, alibi=True, multi_query=False, bos_token_id=0,
+                                            eos_token_id=0, pad_token_id=0),
         # per-sequence recurrent state (server.engine.state): short convolutions beside attention
         "lfm2": lambda: T.Lfm2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -137,8 +142,6 @@ def _config(family: str, vocab: int = 300):
         "zamba2": lambda: T.Zamba2Config(**{**common, "num_hidden_layers": 4}, use_mamba_kernels=False,
                                          layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
         "rwkv": lambda: T.RwkvConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2),
-        "falcon_rw": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, alibi=True, multi_query=False),
         "t5": lambda: T.T5Config(vocab_size=vocab, d_model=64),
         "gemma3_dynamic_rope_per_layer_type": lambda: T.Gemma3TextConfig(**common, head_dim=16, rope_parameters={
             "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
@@ -152,11 +155,10 @@ STATEFUL = ["lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", 
 """The hybrid and state-space families (server.engine.state)."""
 SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "olmo2", "granite",
           "cohere", "gpt_neox", "gpt2", "gpt_oss", "qwen3_moe", "mixtral", "llama_dynamic_rope", "phi3_longrope",
-          "deepseek_v3", "deepseek_v2", "bloom", "mpt", "falcon", "falcon_40b", *STATEFUL]
+          "deepseek_v3", "deepseek_v2", "bloom", "mpt", "falcon", "falcon_40b", "falcon_rw", *STATEFUL]
 REFUSED = {
     "zamba2": "recurrent or convolution state",
     "rwkv": "recurrent or convolution state",
-    "falcon_rw": "rounds its bias to bf16",
     "t5": "encoder-decoder",
     "gemma3_dynamic_rope_per_layer_type": "rope_type 'dynamic' for one layer type of several",
 }
@@ -175,6 +177,16 @@ def test_refused_family_is_refused_with_its_reason(family):
 
     with pytest.raises(UnsupportedModelError, match=REFUSED[family]):
         check_servable(_config(family))
+
+
+REFERENCE_ATTENTION = {"falcon_rw": "sdpa"}
+"""transformers' attention implementation each family's reference runs (eager where not listed):
+Falcon's eager path adds its ALiBi bias twice (once to the scores, once more through its mask); its
+SDPA path adds it once, as Falcon-RW's own modelling code does."""
+
+
+def _reference_attention(family: str) -> str:
+    return REFERENCE_ATTENTION.get(family, "eager")
 
 
 def _reference_tokens(model, prompts, new_tokens):
@@ -207,7 +219,7 @@ def test_engine_matches_generate(family):
     torch.manual_seed(0)
     config = _config(family)
     model = AutoModelForCausalLM.from_config(config).eval()
-    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation=_reference_attention(family)).eval()
     reference.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (21, 34)]
@@ -245,10 +257,30 @@ def _no_rope(monkeypatch, model):
     monkeypatch.setattr(falcon, "apply_rotary_pos_emb", lambda q, k, cos, sin: (q, k))
 
 
+@pytest.mark.parametrize("heads, head_dim", [(16, 16), (32, 64), (71, 64)])  # 71: Falcon-RW-7B's
+def test_falcon_rw_bias_is_the_models_own(heads, head_dim):
+    """The engine's ALiBi bias for Falcon-RW's bfloat16 slopes equals, bit for bit, the bias the
+    model adds to its scaled scores (its ``build_alibi_tensor`` divided by sqrt(head_dim)) at every
+    position up to 4096; computed without the model's bf16 rounding it would not."""
+    import transformers.models.falcon.modeling_falcon as falcon
+
+    from server.engine.kernels import alibi_bias
+
+    length = 4096
+    model_bias = falcon.build_alibi_tensor(torch.ones(1, length, dtype=torch.long), heads, torch.float32)
+    model_bias = model_bias.view(heads, length) / head_dim ** 0.5
+    slopes = falcon.build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), heads, torch.bfloat16)[:, 0, 1]
+    positions = torch.arange(length)
+    bias = alibi_bias(slopes, positions, None, (heads, 1), torch.float32, head_dim ** -0.5)
+    assert torch.equal(bias, model_bias)
+    unrounded = alibi_bias(slopes.float(), positions, None, (heads, 1), torch.float32, 1.0) * head_dim ** -0.5
+    assert not torch.equal(unrounded, model_bias)
+
+
 @pytest.mark.parametrize("family, without", [("bloom", _zero_slopes), ("mpt", _zero_slopes), ("falcon", _no_rope),
-                                             ("falcon_40b", _no_rope)])
+                                             ("falcon_40b", _no_rope), ("falcon_rw", _zero_slopes)])
 def test_adapted_attention_is_each_sequences_own(family, without, monkeypatch):
-    """Bloom's and MPT's ALiBi and Falcon's rope through their adapters (server.engine.adapters):
+    """Bloom's, MPT's and Falcon-RW's ALiBi and Falcon's rope through their adapters (server.engine.adapters):
     prompts of several lengths chunked (8 tokens a step) and packed together, one preempted and
     recomputed (a small pool), a prefix hit; greedy tokens equal transformers' eager generate of
     each prompt alone. The model's attention projections are scaled up so that its tokens depend
@@ -261,7 +293,7 @@ def test_adapted_attention_is_each_sequences_own(family, without, monkeypatch):
     config = _config(family)
     model = _sharp(AutoModelForCausalLM.from_config(config), ("query_key_value", "dense", "Wqkv", "out_proj"),
                    8.0).eval()
-    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation=_reference_attention(family)).eval()
     reference.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (9, 30, 13, 40)]
@@ -406,23 +438,25 @@ def _write(family: str, path) -> str:
 PROMPTS = ["Once upon a time there was a server that never hung, and it served every request",
            "The quick brown fox jumps over the lazy dog while the ranks gather their shards"]
 NEW_TOKENS = 10
-THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3", "bloom", "lfm2", "qwen3_next", "jamba"]
+THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3", "bloom", "falcon_rw", "lfm2", "qwen3_next", "jamba"]
 """The families also served through HTTP: plain attention; soft-capping with alternating windows;
 experts; multi-head latent attention (its latents cached: /info says what a token costs); ALiBi
-through an adapter (server.engine.adapters); a hybrid's per-sequence state (server.engine.state:
+through an adapter (server.engine.adapters), Bloom's and Falcon-RW's bf16-rounded bias; a hybrid's per-sequence state (server.engine.state:
 only its attention layers cache keys and values). The server adds nothing per family (the same load, residency and engine as the 2-rank
 test below), so the others are checked below the HTTP layer, in one process group."""
 
 
-def _expected(path) -> list[list[int]]:
-    """Greedy generate of the unsharded model (eager attention) for PROMPTS, stopping at EOS 0."""
+def _expected(path, family: str) -> list[list[int]]:
+    """Greedy generate of the unsharded model (eager attention but where REFERENCE_ATTENTION says)
+    for PROMPTS, stopping at EOS 0."""
     from transformers import AutoModelForCausalLM
 
     from tests.checkpoints import tokenizer
 
     import copy
 
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     attn_implementation=_reference_attention(family)).eval()
     expected = []
     for prompt in PROMPTS:
         ids = tokenizer()(prompt, return_tensors="pt").input_ids
@@ -470,7 +504,7 @@ def test_every_family_sharded_over_two_ranks_matches_generate(tmp_path):
 
     families = [f for f in SERVED if f != "cohere"]
     paths = {family: _write(family, tmp_path / family) for family in families}
-    expected = {family: _expected(path) for family, path in paths.items()}
+    expected = {family: _expected(path, family) for family, path in paths.items()}
     results = values(run_ranks(_serve_each_family, 2, tmp_path, paths, timeout=400))
     for rank, by_family in enumerate(results):
         for family in families:
@@ -488,7 +522,7 @@ def test_server_on_two_ranks_matches_generate(family, tmp_path):
     import concurrent.futures
 
     path = _write(family, tmp_path / family)
-    expected = _expected(path)
+    expected = _expected(path, family)
     with ServerProcess(path, nproc=2, extra_args=("--dtype", "float32"), log_path=tmp_path / "server.log") as server:
         def generate(prompt):
             r = server.client.post("/generate", json={"inputs": prompt,

@@ -16,12 +16,15 @@ with its ``alibi_bias_max``). Bloom's bias is slope x key position; MPT's is slo
 - last position): they differ from the engine's by a constant per query, which the softmax
 cancels, so the output equals the module's up to float rounding.
 
-Falcon's adapter (its rope layouts: Falcon-7B/40B/180B) runs the module's fused projection and
-head split, un-broadcasts the new architecture's keys and values to its ``num_kv_heads`` (the
-module broadcasts them to every query head; the cache holds each once), applies the module's rope
-with the model's cos and sin at each token's own position, and attends with scale
-1/sqrt(head_dim). Falcon's ALiBi layout (``alibi: true``, Falcon-RW) is refused: it rounds its
-bias to bf16 (``slopes.bfloat16() * positions``), which a float32 bias does not reproduce.
+Falcon's adapter runs the module's fused projection and head split, un-broadcasts the new
+architecture's keys and values to its ``num_kv_heads`` (the module broadcasts them to every query
+head; the cache holds each once), and attends with scale 1/sqrt(head_dim). Its rope layouts
+(Falcon-7B/40B/180B) apply the module's rope with the model's cos and sin at each token's own
+position. Its ALiBi layout (``alibi: true``, Falcon-RW) passes the slopes of the model's own
+``build_alibi_tensor`` as bfloat16: that model rounds the position and the product
+``slope x position`` to bfloat16 and adds the bias divided by sqrt(head_dim) (its SDPA path, as
+Falcon-RW's own modelling code; transformers' eager path adds the bias a second time through its
+mask), which :func:`server.engine.kernels.alibi_bias` reproduces for bfloat16 slopes.
 
 Without a layout (an idle rank's forward, a plain ``generate``) the module's own forward runs.
 MPT's model forward casts its causal mask to bool, and transformers makes no mask for an attention
@@ -134,11 +137,20 @@ class _PagedFalconAttention:
             groups = self.num_heads // self.num_kv_heads
             key, value = (t.unflatten(2, (self.num_kv_heads, groups))[:, :, :, 0] for t in (key, value))
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
-        cos, sin = position_embeddings
-        query, key = falcon.apply_rotary_pos_emb(query, key, cos, sin)
+        slopes = None
+        if alibi is None:
+            cos, sin = position_embeddings
+            query, key = falcon.apply_rotary_pos_emb(query, key, cos, sin)
+        else:  # Falcon-RW: bfloat16 slopes, the engine's sign for the model's rounded bias (server.engine.kernels)
+            def make() -> torch.Tensor:  # a 2-token context's bias [heads, 1, 2] = (0, bf16(slope))
+                bias = falcon.build_alibi_tensor(torch.ones(1, 2, dtype=torch.long, device=hidden_states.device),
+                                                 self.num_heads, torch.bfloat16)
+                return bias[:, 0, 1].contiguous()
+
+            slopes = _slopes(self, make)
         key, value = layer_past.update(key, value, self.layer_idx)
         out, _ = paged_attention(self, query, key, value, None, scaling=self.head_dim ** -0.5,
-                                 hsdp_paged=layer_past.layout)
+                                 hsdp_paged=layer_past.layout, alibi_slopes=slopes)
         return self.dense(out.reshape(batch, length, self.num_heads * self.head_dim)), None
 
 
@@ -166,11 +178,6 @@ def _adapted_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def falcon_alibi_refusal() -> str:
-    return ("Falcon's ALiBi layout (alibi: true) rounds its bias to bf16, which the engine's float32 bias does "
-            "not reproduce; its rope layouts are served")
-
-
 def adapted(model: nn.Module) -> bool:
     """Whether :func:`install` adapted any module of ``model``."""
     return any(type(m) in _CLASSES.values() for m in model.modules())
@@ -179,8 +186,7 @@ def adapted(model: nn.Module) -> bool:
 def install(model: nn.Module) -> int:
     """Adapt every Bloom, MPT or Falcon attention module of ``model`` to the paged engine (the module
     docstring); returns how many. Raises ValueError for a layout the adapter does not compute
-    (Bloom's ``pretraining_tp`` > 1 with ``slow_but_exact``: its output projection in slices;
-    Falcon's ALiBi)."""
+    (Bloom's ``pretraining_tp`` > 1 with ``slow_but_exact``: its output projection in slices)."""
     count = 0
     config = model.config.get_text_config()
     for module in model.modules():
@@ -190,8 +196,6 @@ def install(model: nn.Module) -> int:
         if cls.__name__ == "BloomAttention" and module.pretraining_tp > 1 and module.slow_but_exact:
             raise ValueError("Bloom with pretraining_tp > 1 and slow_but_exact computes its output projection in "
                              "slices, which the paged adapter does not")
-        if cls.__name__ == "FalconAttention" and config.alibi:
-            raise ValueError(falcon_alibi_refusal())
         if cls.__name__ == "MptAttention":
             module.hsdp_alibi_bias_max = config.attn_config.alibi_bias_max
             mpt = sys.modules[cls.__module__]

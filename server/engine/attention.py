@@ -20,7 +20,8 @@ attention reads it): a sliding window (``sliding_window``: a query at position q
 positions above q - window), logit soft-capping (``softcap``: scores become
 softcap * tanh(scores / softcap)), attention sinks (``s_aux``: one extra logit per head that takes
 probability mass and contributes no value), ALiBi (``alibi_slopes``: one slope per head, times the
-key's position, added to the scores; passed by the adapters of :mod:`server.engine.adapters`), the
+key's position, added to the scores, in the slopes' dtype: ``server.engine.kernels.alibi_bias``;
+passed by the adapters of :mod:`server.engine.adapters`), the
 module's own ``scaling``, and keys and values of different head dims (multi-head latent attention). Chunks that need soft-capping or sinks are
 computed without SDPA, which has neither.
 
@@ -436,7 +437,7 @@ def _attend_chunk(chunk: _Chunk, query_HTd, key_HNd, value_HNd, scale: float, va
     if variant.softcap is None and variant.sinks_H is None:
         mask = mask_QL
         if variant.alibi_H is not None:  # [1, H, Q, L]: the slopes' bias, -inf outside the causal window
-            mask = alibi_bias(variant.alibi_H, chunk.k_pos, mask_QL[None, None], (1, -1, 1, 1), q.dtype)
+            mask = alibi_bias(variant.alibi_H, chunk.k_pos, mask_QL[None, None], (1, -1, 1, 1), q.dtype, scale)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
     else:  # SDPA has neither soft-capping nor sinks: the eager computation, a block of queries at a time
@@ -448,7 +449,8 @@ def _attend_chunk(chunk: _Chunk, query_HTd, key_HNd, value_HNd, scale: float, va
         for a in range(0, q.shape[2], block):
             scores = torch.matmul(q[:, :, a:a + block], k.transpose(-1, -2)).float().mul_(scale)
             if variant.alibi_H is not None:
-                scores = scores + alibi_bias(variant.alibi_H, chunk.k_pos, None, (1, -1, 1, 1), torch.float32)
+                scores = scores + alibi_bias(variant.alibi_H, chunk.k_pos, None, (1, -1, 1, 1), torch.float32,
+                                                    scale)
             probs = variant.probabilities(scores, mask_QL[None, None, a:a + block], (1, -1, 1, 1))
             outs.append(torch.matmul(probs.to(v.dtype), v))
         out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]

@@ -5,7 +5,7 @@ packs the tokens of many sequences into one row. A model is served only if both 
 
 * its attention goes through transformers' attention interface (``_supports_attention_backend``),
   where the engine's function is plugged in, or through an adapter of ``server.engine.adapters``
-  (Bloom, MPT: ALiBi built inside the module; Falcon's rope layouts); other models with their own
+  (Bloom, MPT: ALiBi built inside the module; Falcon's rope and ALiBi layouts); other models with their own
   attention code would bypass the cache;
 * nothing in a sequence's computation depends on the others packed beside it: recurrent and
   convolution state is kept per sequence (``server.engine.state``) for the stateful families
@@ -91,10 +91,7 @@ def check_servable(config, model_class=None) -> None:
             raise UnsupportedModelError(
                 architecture, f"rope_type {rope_type!r} for one layer type of several takes its factors from the "
                 "longest position in the batch; the engine chooses them per sequence only for a model's one rope")
-    from server.engine.adapters import ADAPTED_MODEL_TYPES, falcon_alibi_refusal
-
-    if model_type == "falcon" and getattr(text, "alibi", False):
-        raise UnsupportedModelError(architecture, falcon_alibi_refusal())
+    from server.engine.adapters import ADAPTED_MODEL_TYPES
 
     # (the served stateful families' attention layers call the interface, unflagged: Qwen3-Next; Mamba2 has none)
     if not getattr(model_class, "_supports_attention_backend", False) and model_type not in ADAPTED_MODEL_TYPES \

@@ -80,12 +80,18 @@ def context_groups(contexts: list[int]) -> list[list[int]] | None:
 
 
 def alibi_bias(slopes_H: torch.Tensor, positions_L: torch.Tensor, valid, shape: tuple[int, ...],
-               dtype: torch.dtype) -> torch.Tensor:
-    """ALiBi as an additive mask: each head's slope (viewed as ``shape``, broadcast over the keys)
-    times each key's position in its sequence, ``-inf`` where ``valid`` (broadcastable; None: every
-    key) is False. Bloom's and MPT's biases differ from this by a constant per query row (the
-    query's or the context's last position), which the softmax cancels."""
-    bias = slopes_H.float().view(shape) * positions_L.float()
+               dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """ALiBi as an additive mask on the scaled scores: each head's slope (viewed as ``shape``,
+    broadcast over the keys) times each key's position in its sequence, ``-inf`` where ``valid``
+    (broadcastable; None: every key) is False. float32 slopes (Bloom, MPT): slope x position, added
+    as it is; Bloom's and MPT's biases differ from this by a constant per query row (the query's or
+    the context's last position), which the softmax cancels. bfloat16 slopes (Falcon-RW): the
+    position and the product rounded to bfloat16 as that model computes them, and the bias scaled
+    with the scores (x ``scale``)."""
+    if slopes_H.dtype == torch.bfloat16:
+        bias = (slopes_H.view(shape) * positions_L.to(torch.bfloat16)).float() * scale
+    else:
+        bias = slopes_H.float().view(shape) * positions_L.float()
     if valid is not None:
         bias = bias.masked_fill(~valid, float("-inf"))
     return bias.to(dtype)
@@ -142,12 +148,13 @@ def _attend(query_HSd, key_HNd, value_HNd, slots_SL, valid_SL, positions_L, cont
         # one fused kernel (the prompt chunks' too) in place of seven ops: the host time of a decode step
         mask = None if valid is None else valid[None, :, None, :]
         if alibi_H is not None:  # the slopes' bias in the mask (SDPA adds a float mask to the scaled scores)
-            mask = alibi_bias(alibi_H, positions_L, mask, (kv_heads, 1, groups, 1), q.dtype)
+            mask = alibi_bias(alibi_H, positions_L, mask, (kv_heads, 1, groups, 1), q.dtype, scale)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:  # soft-capping or sinks, which SDPA lacks: the models' eager arithmetic
         scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [Hkv, S, G, L]
         if alibi_H is not None:
-            scores = scores + alibi_bias(alibi_H, positions_L, None, (kv_heads, 1, groups, 1), torch.float32)
+            scores = scores + alibi_bias(alibi_H, positions_L, None, (kv_heads, 1, groups, 1), torch.float32,
+                                        scale)
         if valid is None:
             valid = torch.ones_like(slots_SL, dtype=torch.bool)
         probs = probabilities(scores, valid[None, :, None, :], softcap if softcap != NO_SOFTCAP else None, sinks_H,
