@@ -34,7 +34,11 @@ that do not need its result still run:
 12. ``quantized``   FP8-block, W4A16 and W8A8 tiny checkpoints, and a tiny Qwen3-MoE's FP8 and W4A16
                    experts, loaded on the device (float32): greedy tokens equal to transformers'
                    (``loaders.quantization``'s device path)
-13. ``peer_transfer`` ``shard_engine.transfer`` over NCCL between two processes on cuda:0 and cuda:1
+13. ``families``   tiny checkpoints of the families whose code paths only CPU tests have run (latent
+                   attention's absorbed decodes and expanded chunks, Falcon-RW's and Bloom's ALiBi,
+                   soft-capping, sinks, hybrids' per-sequence state) on the device in float32, prompts
+                   chunked: greedy tokens equal to transformers' (``GPU_FAMILIES``)
+14. ``peer_transfer`` ``shard_engine.transfer`` over NCCL between two processes on cuda:0 and cuda:1
                    (``--load-from-peer``'s path between GPU groups): rows from a 2-shard sender into a
                    1-shard receiver, values and device checksums checked; skipped with one GPU (NCCL
                    takes one rank per GPU); on gloo between two CPU processes in ``--dry-run``
@@ -748,6 +752,51 @@ def _phase_quantized(p: dict, run: Run) -> None:
         raise AssertionError(f"quantized greedy tokens differ from transformers' in {failures}")
 
 
+GPU_FAMILIES = ("deepseek_v3", "falcon_rw", "bloom", "gemma2", "gpt_oss", "qwen3_next", "mamba2", "jamba")
+"""Phase families: latent attention (decodes absorbed, chunks expanded), ALiBi through adapters
+(Falcon-RW's bf16-rounded bias, Bloom's), soft-capping with windows, sinks with experts, and
+hybrids' per-sequence state (gated delta-net, Mamba2, Mamba-1 with attention): the engine's
+code paths that only its CPU tests have run."""
+
+
+def _phase_families(p: dict, run: Run) -> None:
+    """tests.test_families' tiny checkpoints of :data:`GPU_FAMILIES` on the device, resident in
+    float32 (TF32 off), prompts of 21, 34 and 9 tokens in chunks of 16 and decoded together:
+    greedy tokens against transformers' ``generate`` on the same device (eager attention, or
+    the family's REFERENCE_ATTENTION; on CUDA transformers finds the stateful layers' kernels
+    where they are installed, and so does the engine, which runs the modules' own dispatch)."""
+    from shard_engine import set_resident_units
+    from tests.test_families import _reference_attention, _write
+
+    if time.monotonic() > run.deadline:
+        raise TimeoutError("past --budget-s")
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device, root = run.device, pathlib.Path(run.path).parent / "families"
+    failures = []
+    for family in GPU_FAMILIES:
+        path = _write(family, root / family)
+        ours = load_ours(path, device, torch.float32)
+        set_resident_units(ours.model, -1)
+        kwargs = {"device_map": str(device)} if device.type == "cuda" else {}
+        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                         attn_implementation=_reference_attention(family),
+                                                         **kwargs).eval()
+        reference.generation_config.eos_token_id = None  # (as phase quantized: no end of sequence)
+        engine = make_engine(ours.model, device, 64)
+        prompts = random_prompts(3, (21, 34, 9), ours.config.get_text_config().vocab_size, seed=11)
+        start = time.perf_counter()
+        entry = compare_greedy(engine, reference, prompts, 8, kv_blocks=64, prefill_tokens=16)
+        entry["seconds"] = round(time.perf_counter() - start, 3)
+        p[family] = entry
+        if entry["equal"] != entry["of"]:
+            failures.append(family)
+        del ours, reference, engine
+    if failures:
+        raise AssertionError(f"greedy tokens differ from transformers' in {failures}")
+
+
 def _peer_rank(index: int, port: int, backend: str, out: str) -> None:
     """One side of phase peer_transfer: transfer rank 0 sends (two shards' rows in one process: its
     held rows are both shards'), rank 1 receives; each writes what it saw."""
@@ -876,7 +925,8 @@ def main(argv=None) -> int:
     if run.device is not None and run.device.type == "cuda":
         torch.cuda.empty_cache()
     for name, phase in (("parity_fp32", _phase_parity_fp32), ("cpu_offload", _phase_cpu_offload),
-                        ("quantized", _phase_quantized), ("peer_transfer", _phase_peer_transfer)):
+                        ("quantized", _phase_quantized), ("families", _phase_families),
+                        ("peer_transfer", _phase_peer_transfer)):
         with report.phase(name) as p:
             phase(p, run)
 

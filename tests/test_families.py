@@ -257,6 +257,40 @@ def _no_rope(monkeypatch, model):
     monkeypatch.setattr(falcon, "apply_rotary_pos_emb", lambda q, k, cos, sin: (q, k))
 
 
+def test_mla_chunk_form_follows_the_arithmetic():
+    """A prompt chunk of a latent-attention layer is expanded where that costs fewer multiply-adds
+    (server.engine.mla.Absorbed.expands): at DeepSeek-V3's dims a chunk that is its whole context,
+    or a long chunk over a longer context, is; a decode or a few queries over a long context are not."""
+    from types import SimpleNamespace
+
+    from server.engine.mla import Absorbed
+
+    v3 = SimpleNamespace(num_heads=128, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512)
+    form = Absorbed(v3)
+    assert form.expands(512, 512) and form.expands(512, 4096) and form.expands(2048, 2048)
+    assert not form.expands(1, 4096) and not form.expands(16, 4096)
+    narrow = Absorbed(SimpleNamespace(**{**vars(v3), "kv_lora_rank": 64}))  # 2 x rank < nope + v: never
+    assert not narrow.expands(512, 512)
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_cpu_attention_with_values_narrower_than_keys_equals_torchs(gqa):
+    """kernels.sdpa widens values narrower than their keys with zeros on CPU (torch's flash kernel
+    takes one head dim) and cuts the output back: equal to torch's own result for those shapes."""
+    import torch.nn.functional as F
+
+    from server.engine.kernels import sdpa
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 24, 160, generator=gen)
+    k = torch.randn(1, 1 if gqa else 8, 40, 160, generator=gen)
+    v = k[..., :128] if gqa else torch.randn(1, 8, 40, 96, generator=gen)
+    mask = torch.ones(24, 40, dtype=torch.bool).tril(16)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.1, enable_gqa=gqa)
+    got = sdpa(q, k, v, mask, 0.1, enable_gqa=gqa)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("heads, head_dim", [(16, 16), (32, 64), (71, 64)])  # 71: Falcon-RW-7B's
 def test_falcon_rw_bias_is_the_models_own(heads, head_dim):
     """The engine's ALiBi bias for Falcon-RW's bfloat16 slopes equals, bit for bit, the bias the

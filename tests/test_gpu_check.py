@@ -12,7 +12,7 @@ import sys
 from tests.server_process import REPO
 
 PHASES = ["env", "checkpoint", "load", "residency", "parity_dtype", "decode", "prefetch", "step_profile",
-          "sampling_syncs", "compiled", "serve", "parity_fp32", "cpu_offload", "quantized", "peer_transfer"]
+          "sampling_syncs", "compiled", "serve", "parity_fp32", "cpu_offload", "quantized", "families", "peer_transfer"]
 
 
 def test_gpu_check_dry_run(tmp_path):
@@ -34,6 +34,9 @@ def test_gpu_check_dry_run(tmp_path):
     assert phases["sampling_syncs"]["greedy_syncs"] is None  # counted on a GPU only
     assert all(phases["quantized"][f]["equal"] == phases["quantized"][f]["of"] == 3
                for f in ("fp8-block-16", "w4a16", "w8a8"))
+    from benchmarks.gpu_check import GPU_FAMILIES
+
+    assert all(phases["families"][f]["equal"] == phases["families"][f]["of"] == 3 for f in GPU_FAMILIES)
     compiled = phases["compiled"]
     assert compiled["sizes"] == "1,2+" and set(compiled["regions"]) == {"layer", "model"}
     for region in compiled["regions"].values():  # float32: equal (the phase raises otherwise)

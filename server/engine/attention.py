@@ -39,10 +39,10 @@ import sys
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from server.engine.cores import follow_threads
-from server.engine.kernels import NO_SOFTCAP, NO_WINDOW, alibi_bias, decode_one, paged_decode, probabilities
+from server.engine.kernels import (NO_SOFTCAP, NO_WINDOW, alibi_bias, decode_one, paged_decode, probabilities,
+                                   sdpa)
 from shard_engine.ops import define_op
 
 ATTN_IMPLEMENTATION = "hsdp_paged"
@@ -308,6 +308,11 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
     if mla is None:
         return _paged_attention(module, query, key, value, attention_mask, dropout, scaling, hsdp_paged,
                                 sliding_window, softcap, s_aux, **kwargs)
+    if hsdp_paged is not None and hsdp_paged.prefill and key.dim() == 3 and not torch.compiler.is_compiling() \
+            and sliding_window is None and softcap is None and s_aux is None:
+        # an eager step with prompt chunks (the cache wrote them and passed its pool)
+        _refuse_unsupported(module, kwargs)
+        return _mla_step(mla, hsdp_paged, query[0], key, query.shape[-1] ** -0.5 if scaling is None else scaling), None
     query, weight = mla.query(query)
     if hsdp_paged is None and key.dim() == 4:  # unpaged: the one latent head for every query head
         key, value = key.expand(-1, query.shape[1], -1, -1), value.expand(-1, query.shape[1], -1, -1)
@@ -316,12 +321,46 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
     return mla.output(out, weight), weights
 
 
-def _paged_attention(module, query, key, value, attention_mask, dropout, scaling, hsdp_paged, sliding_window,
-                     softcap, s_aux, alibi_slopes=None, **kwargs):
+def _refuse_unsupported(module, kwargs) -> None:
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise UnsupportedAttention(f"{type(module).__name__} asks for {name}={kwargs[name]!r}, which the paged "
                                        "engine does not implement")
+
+
+def _mla_step(mla, layout: PagedLayout, query_HTd, latents_1Nc, scale: float) -> torch.Tensor:
+    """A multi-head latent attention layer's step that carries prompt chunks, [1, T, H, v], over
+    its pool of latents ``latents_1Nc`` [1, slots, kv_lora_rank + rope]: the decode rows absorbed,
+    each chunk expanded where that costs it less (:meth:`server.engine.mla.Absorbed.expands`)."""
+    heads, tokens = query_HTd.shape[:2]
+    out_THv = query_HTd.new_empty(tokens, heads, mla.v)
+    weight = mla._kv_b(query_HTd.dtype)
+    plain = _Variant(None, None, None)
+
+    def absorbed(q_HSd, k_1Lc, attend) -> torch.Tensor:  # [S, H, v]
+        q, _ = mla.query(q_HSd.unsqueeze(0), weight)
+        return mla.output(attend(q[0], k_1Lc, k_1Lc[..., :mla.rank]).unsqueeze(0), weight)[0]
+
+    if layout.decode is not None:
+        group = layout.decode
+        out_THv.index_copy_(0, group.rows_S, absorbed(
+            query_HTd.index_select(1, group.rows_S), latents_1Nc,
+            lambda q, k, v: _decode_out(group, q, k, v, scale, plain)))
+    for chunk in layout.prefill:
+        q_HQd = query_HTd[:, chunk.row:chunk.row + chunk.count]
+        latents_1Lc = latents_1Nc.index_select(1, chunk.slots_L)
+        if mla.expands(chunk.count, latents_1Lc.shape[1]):
+            keys, values = mla.expand(latents_1Lc)
+            out = _chunk_out(chunk, q_HQd.unsqueeze(0), keys, values, scale, plain)
+        else:
+            out = absorbed(q_HQd, latents_1Lc, lambda q, k, v: _chunk_out(chunk, q.unsqueeze(0), k, v, scale, plain))
+        out_THv[chunk.row:chunk.row + chunk.count] = out
+    return out_THv.unsqueeze(0)
+
+
+def _paged_attention(module, query, key, value, attention_mask, dropout, scaling, hsdp_paged, sliding_window,
+                     softcap, s_aux, alibi_slopes=None, **kwargs):
+    _refuse_unsupported(module, kwargs)
     pools = kwargs.pop(LAYER_POOLS, None)
     if pools is not None:  # the cache passed this step's keys and values through: they go to these pools
         layer = getattr(module, "layer_idx", type(module).__name__)
@@ -411,16 +450,20 @@ class _Variant:
 
 def _attend_decode(group: _DecodeGroup, query_HTd, key_HNd, value_HNd, scale: float, variant: _Variant,
                    out_THd) -> None:
-    query_HSd = query_HTd.index_select(1, group.rows_S)
+    out_THd.index_copy_(0, group.rows_S, _decode_out(group, query_HTd.index_select(1, group.rows_S), key_HNd,
+                                                     value_HNd, scale, variant))
+
+
+def _decode_out(group: _DecodeGroup, query_HSd, key_HNd, value_HNd, scale: float, variant: _Variant) -> torch.Tensor:
+    """The decode rows' attention [S, H, dv], their queries ``query_HSd`` [H, S, d]."""
     window = variant.window if variant.window is not None else NO_WINDOW
     softcap = variant.softcap if variant.softcap is not None else NO_SOFTCAP
     if _one_decode_inline and torch.compiler.is_compiling() and _static_one(group.rows_S):
-        out = decode_one(query_HSd, key_HNd, value_HNd, group.slots_SL, group.positions_L, group.contexts_S,
-                         float(scale), window, softcap, variant.sinks_H, variant.alibi_H)
-    else:  # one opaque op (torch.compile does not trace into it: see server.engine.kernels)
-        out = paged_decode(query_HSd, key_HNd, value_HNd, group.slots_SL, group.valid_SL, group.positions_L,
-                           group.contexts_S, float(scale), window, softcap, variant.sinks_H, variant.alibi_H)
-    out_THd.index_copy_(0, group.rows_S, out)
+        return decode_one(query_HSd, key_HNd, value_HNd, group.slots_SL, group.positions_L, group.contexts_S,
+                          float(scale), window, softcap, variant.sinks_H, variant.alibi_H)
+    # one opaque op (torch.compile does not trace into it: see server.engine.kernels)
+    return paged_decode(query_HSd, key_HNd, value_HNd, group.slots_SL, group.valid_SL, group.positions_L,
+                        group.contexts_S, float(scale), window, softcap, variant.sinks_H, variant.alibi_H)
 
 
 def _static_one(rows_S: torch.Tensor) -> bool:
@@ -430,16 +473,21 @@ def _static_one(rows_S: torch.Tensor) -> bool:
 
 
 def _attend_chunk(chunk: _Chunk, query_HTd, key_HNd, value_HNd, scale: float, variant: _Variant, out_THd) -> None:
-    q = query_HTd[:, chunk.row:chunk.row + chunk.count].unsqueeze(0)  # [1, H, Q, d]
-    k = key_HNd.index_select(1, chunk.slots_L).unsqueeze(0)  # [1, Hkv, L, d]
-    v = value_HNd.index_select(1, chunk.slots_L).unsqueeze(0)
+    out_THd[chunk.row:chunk.row + chunk.count] = _chunk_out(
+        chunk, query_HTd[:, chunk.row:chunk.row + chunk.count].unsqueeze(0), key_HNd.index_select(1, chunk.slots_L),
+        value_HNd.index_select(1, chunk.slots_L), scale, variant)
+
+
+def _chunk_out(chunk: _Chunk, q, k_HLd, v_HLd, scale: float, variant: _Variant) -> torch.Tensor:
+    """A prompt chunk's attention [Q, H, dv]: its queries ``q`` [1, H, Q, d] over its context's keys
+    and values [Hkv, L, d / dv]."""
+    k, v = k_HLd.unsqueeze(0), v_HLd.unsqueeze(0)  # [1, Hkv, L, d]
     mask_QL = chunk.mask(variant.window)
     if variant.softcap is None and variant.sinks_H is None:
         mask = mask_QL
         if variant.alibi_H is not None:  # [1, H, Q, L]: the slopes' bias, -inf outside the causal window
             mask = alibi_bias(variant.alibi_H, chunk.k_pos, mask_QL[None, None], (1, -1, 1, 1), q.dtype, scale)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = sdpa(q, k, v, mask, scale, enable_gqa=q.shape[1] != k.shape[1])
     else:  # SDPA has neither soft-capping nor sinks: the eager computation, a block of queries at a time
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -454,7 +502,7 @@ def _attend_chunk(chunk: _Chunk, query_HTd, key_HNd, value_HNd, scale: float, va
             probs = variant.probabilities(scores, mask_QL[None, None, a:a + block], (1, -1, 1, 1))
             outs.append(torch.matmul(probs.to(v.dtype), v))
         out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-    out_THd[chunk.row:chunk.row + chunk.count] = out[0].transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def use_paged_attention(model) -> None:

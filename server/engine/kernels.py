@@ -79,6 +79,23 @@ def context_groups(contexts: list[int]) -> list[list[int]] | None:
     return groups
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+         enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``, with values narrower than the keys (multi-head latent
+    attention: keys of kv_lora_rank + rope, values of kv_lora_rank; expanded, keys of nope + rope and
+    values of v) widened to the keys' head dim with zeros on CPU, and the output cut back: torch's
+    CPU flash kernel takes one head dim for all three and otherwise falls back to the unfused math
+    path, 2-3x slower at MLA's dims (measured on 2 cores: a 512-query chunk over 2048 latents of 160,
+    52 -> 19 ms; a decode of 16 sequences over 512, 0.82 -> 0.25 ms). The zero columns add nothing
+    to the cut output."""
+    width, value_dim = k.shape[-1], v.shape[-1]
+    if q.device.type != "cpu" or value_dim >= width:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    out = F.scaled_dot_product_attention(q, k, F.pad(v, (0, width - value_dim)), attn_mask=mask, scale=scale,
+                                         enable_gqa=enable_gqa)
+    return out[..., :value_dim]
+
+
 def alibi_bias(slopes_H: torch.Tensor, positions_L: torch.Tensor, valid, shape: tuple[int, ...],
                dtype: torch.dtype, scale: float) -> torch.Tensor:
     """ALiBi as an additive mask on the scaled scores: each head's slope (viewed as ``shape``,
@@ -149,7 +166,7 @@ def _attend(query_HSd, key_HNd, value_HNd, slots_SL, valid_SL, positions_L, cont
         mask = None if valid is None else valid[None, :, None, :]
         if alibi_H is not None:  # the slopes' bias in the mask (SDPA adds a float mask to the scaled scores)
             mask = alibi_bias(alibi_H, positions_L, mask, (kv_heads, 1, groups, 1), q.dtype, scale)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out = sdpa(q, k, v, mask, scale)
     else:  # soft-capping or sinks, which SDPA lacks: the models' eager arithmetic
         scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [Hkv, S, G, L]
         if alibi_H is not None:

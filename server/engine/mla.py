@@ -14,6 +14,12 @@ head (multi-query attention), its output over the values ``c`` is multiplied by 
 (q W) c``, with every other step (the projections, the norms, the rope) the module's own code:
 equal to it up to float rounding, not bit for bit.
 
+Prompt chunks attend in whichever form costs them fewer multiply-adds (:meth:`Absorbed.expands`):
+a long chunk expanded, as transformers computes it and as vLLM and SGLang prefill (its context's
+latents through the module's own ``expand_kv``, then attention over every head's keys of nope +
+rope and values of v: a third of the absorbed form's for DeepSeek-V3), a chunk of a few queries
+over a long context absorbed; decodes always absorbed (``attention.paged_attention``).
+
 Contract. :func:`install` sets, on each MLA module of a model (one with ``expand_kv`` and
 ``kv_b_proj``), ``expand_kv`` to :func:`_latent_key_value` (this step's ``[c, k_rot]`` and ``c``,
 or the cache's pools unchanged) and ``hsdp_mla`` to an :class:`Absorbed`, which the engine's
@@ -79,15 +85,34 @@ class Absorbed:
         self.nope, self.rope, self.v = module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim
         self.rank = module.kv_lora_rank
 
+    def expands(self, queries: int, context: int) -> bool:
+        """Whether a prompt chunk of ``queries`` tokens over ``context`` cached tokens takes fewer
+        multiply-adds a head expanded (``context`` latents through ``kv_b_proj``, then attention over
+        keys of nope + rope and values of v) than absorbed (the queries and outputs through its slices,
+        attention over keys of kv_lora_rank + rope and values of kv_lora_rank). A chunk whose queries
+        are its whole context always does where 2 x kv_lora_rank > nope + v (DeepSeek-V3: 1024 > 256);
+        a decode (one query over a long context) never does."""
+        expanded = context * self.rank * (self.nope + self.v) + queries * context * (self.nope + self.rope + self.v)
+        absorbed = queries * self.rank * (self.nope + self.v) + queries * context * (2 * self.rank + self.rope)
+        return expanded < absorbed
+
+    def expand(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached ``[c, k_rot]`` [1, L, kv_lora_rank + rope] -> every head's keys [H, L, nope + rope]
+        and values [H, L, v], by the module's own ``expand_kv`` (its ``kv_b_proj``, quantized or not)."""
+        c, k_rot = torch.split(latents[None], [self.rank, self.rope], dim=-1)  # [1, 1, L, .]
+        keys, values = type(self.module).expand_kv(self.module, c, k_rot)
+        return keys[0], values[0]
+
     def _kv_b(self, dtype: torch.dtype) -> torch.Tensor:
         """``kv_b_proj``'s weight [heads, nope + v, kv_lora_rank] (dequantized where it is stored quantized)."""
         proj = self.module.kv_b_proj
         weight = proj.dequantized_weight(dtype).to(dtype) if hasattr(proj, "dequantized_weight") else proj.weight
         return weight.view(self.heads, self.nope + self.v, self.rank)
 
-    def query(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def query(self, query: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """[1, H, T, nope + rope] -> ([1, H, T, kv_lora_rank + rope], the weight for :meth:`output`)."""
-        weight = self._kv_b(query.dtype)
+        if weight is None:
+            weight = self._kv_b(query.dtype)
         q_nope, q_rot = torch.split(query, [self.nope, self.rope], dim=-1)
         absorbed = torch.einsum("bhtn,hnc->bhtc", q_nope, weight[:, :self.nope])
         return torch.cat((absorbed, q_rot), dim=-1), weight
