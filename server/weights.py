@@ -58,22 +58,26 @@ class WeightsAdmin:
 
         if isinstance(body, dict) and body.get("source") == "trainer":
             return self.from_trainer(body)
-        source, version, mode = _parse(body)
+        source, version, mode, revision = _parse(body)
         self._take_lock()
         try:
             began = time.perf_counter()
             self.running = {"source": source, "version": version, "mode": mode, "phase": "checking",
                             "started": time.time()}
             try:
-                local, files = _local_checkpoint(source)
-                self._check(local)
+                update = _located(source, version, revision)
+                self._check(update.source)
             except (CheckpointError, ValueError) as e:
                 self._count("refused")
                 raise InputValidationError(f"{source}: {e}", param="source") from None
+            if update.hub is not None:  # the commit the repo id and revision named: all ranks read it
+                source = f"{update.hub}@{update.revision}"
+                version = update.version
+                self.running.update(source=source, version=version)
             self.running["phase"] = "updating"
             try:
-                reports = self.router.update_weights(WeightUpdate(source=local, version=version, files=files), mode,
-                                                     failed=self._group_failed, rolling=self._rolling())
+                reports = self.router.update_weights(update, mode, failed=self._group_failed,
+                                                     rolling=self._rolling())
             except RuntimeError as e:
                 self._count("failed")
                 raise UnavailableError(str(e)) from None
@@ -114,7 +118,7 @@ class WeightsAdmin:
         from shard_engine.transfer import Slot, slots_as_json
 
         version, mode = body.get("version") or "trainer", body.get("mode", "wait")
-        _, version, mode = _parse({"source": "trainer", "version": version, "mode": mode})
+        _, version, mode, _ = _parse({"source": "trainer", "version": version, "mode": mode})
         mesh, manifest, backend = body.get("mesh"), body.get("manifest"), body.get("backend")
         if not (isinstance(mesh, list) and len(mesh) == 2 and all(isinstance(m, int) and m >= 1 for m in mesh)):
             raise InputValidationError("mesh: [replicas, shard size] of the trainer", param="mesh")
@@ -221,27 +225,35 @@ class WeightsAdmin:
             self.metrics.weight_updates.labels(outcome).inc()
 
 
-def _parse(body) -> tuple[str, str, str]:
+def _parse(body) -> tuple[str, str | None, str, str | None]:
+    """(source, version or None, mode, revision or None) of a ``POST /admin/weights`` body."""
+    from loaders.sources.hub import looks_like_repo_id
     from server.http.errors import InputValidationError
 
     if not isinstance(body, dict):
         raise InputValidationError("the body must be a JSON object")
-    unknown = set(body) - {"source", "version", "mode"}
+    unknown = set(body) - {"source", "version", "mode", "revision"}
     if unknown:
         raise InputValidationError(f"unknown field(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
     source, version, mode = body.get("source"), body.get("version"), body.get("mode", "wait")
+    revision = body.get("revision")
     if not isinstance(source, str) or not source:
-        raise InputValidationError("source: a checkpoint directory, or \"trainer\"", param="source")
+        raise InputValidationError("source: a checkpoint directory, an s3:// prefix, a Hugging Face repo id, or "
+                                   "\"trainer\"", param="source")
     if "://" in source and not source.startswith("s3://"):
-        raise InputValidationError("source: a local checkpoint directory or an s3:// prefix; other URLs and Hub ids "
-                                   "are not implemented", param="source")
+        raise InputValidationError("source: a local checkpoint directory, an s3:// prefix or a Hugging Face repo id; "
+                                   "other URLs are not implemented", param="source")
+    if revision is not None and (not isinstance(revision, str) or not revision
+                                 or os.path.isdir(source) or not looks_like_repo_id(source)):
+        raise InputValidationError("revision: a branch, tag or commit of a Hugging Face repo id given as source",
+                                   param="revision")
     if version is not None and (not isinstance(version, str) or not 0 < len(version) <= 128
                                 or not all(" " <= c <= "~" for c in version)):
         raise InputValidationError("version: a label of 1 to 128 printable ASCII characters (it is sent as the "
                                    "x-weights-version header)", param="version")
     if mode not in MODES:
         raise InputValidationError(f"mode: one of {', '.join(MODES)}", param="mode")
-    return source, version or label(os.path.basename(source.rstrip("/"))), mode
+    return source, version, mode, revision
 
 
 UPDATES_KEPT = 4
@@ -250,6 +262,26 @@ UPDATES_KEPT = 4
 SMALL_FILES = ("config.json", "model.safetensors.index.json")
 """What every rank needs of a checkpoint in object storage besides ``remote.json``: its rows are read
 from the store itself (``loaders.remote``)."""
+
+
+def _located(source: str, version: str | None, revision: str | None):
+    """The update of ``source``, located on rank 0's host (a ValueError, in one line, where it
+    cannot be): a directory is itself; an ``s3://`` prefix is listed and its small files fetched
+    now, to travel with the update (:func:`_local_checkpoint`); a Hugging Face repo id is found in
+    (or downloaded to) this host's Hub cache at ``revision`` (``loaders.sources.hub``, as ``--model``
+    does), and every rank reads the commit that resolved to from its own host's cache
+    (:func:`update_directory`). The version label defaults to the directory's or prefix's last
+    name, or ``repo@commit`` (its first 12 characters)."""
+    from loaders.sources.hub import download_hub_model, looks_like_repo_id
+    from server.engine.plan import WeightUpdate
+
+    if not source.startswith("s3://") and not os.path.isdir(source) and looks_like_repo_id(source):
+        local = download_hub_model(source, revision)
+        commit = os.path.basename(local.rstrip(os.sep))  # the snapshot's directory: its commit
+        return WeightUpdate(source=local, version=version or label(f"{source}@{commit[:12]}"), hub=source,
+                            revision=commit)
+    local, files = _local_checkpoint(source)
+    return WeightUpdate(source=local, version=version or label(os.path.basename(source.rstrip("/"))), files=files)
 
 
 def _local_checkpoint(source: str) -> tuple[str, dict[str, bytes]]:
@@ -278,9 +310,15 @@ def _local_checkpoint(source: str) -> tuple[str, dict[str, bytes]]:
 
 
 def update_directory(update) -> str:
-    """The directory a rank reads ``update`` from: its source where the checkpoint is local (or none
-    of its files travel), else a directory named by the files' content under this host's cache,
-    written once (aside, then renamed into place: the host's other ranks may race to the same)."""
+    """The directory a rank reads ``update`` from: a Hub repo's snapshot at the update's commit in
+    this host's Hub cache (downloaded where this host lacks it; huggingface_hub locks each file, so
+    a host's ranks fetch it once); its source where the checkpoint is local (or none of its files
+    travel); else a directory named by the files' content under this host's cache, written once
+    (aside, then renamed into place: the host's other ranks may race to the same)."""
+    if update.hub is not None:
+        from loaders.sources.hub import download_hub_model
+
+        return download_hub_model(update.hub, update.revision)
     if not update.files:
         return update.source
     import hashlib

@@ -28,13 +28,21 @@ ARGS = ("--kv-cache-memory", "8MiB", "--resident-units", "0")
 ENV = {"HSDP_INJECT_FORWARD_DELAY": "0:0.05"}
 
 
+HUB_REPO = "acme/llama-b"
+"""Checkpoint b again, as a Hugging Face repo in an offline Hub cache the server is started with."""
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
+    from tests.hub_cache import write_hub_cache
+
     root = tmp_path_factory.mktemp("weights")
     a = write_checkpoint(root / "a", "llama", seed=0)
     b = write_checkpoint(root / "b", "llama", seed=1)
-    server = ServerProcess(a, extra_args=ARGS, env=ENV, log_path=root / "server.log")
-    server.root, server.paths = root, {"a": a, "b": b}
+    commit = write_hub_cache(root / "hf", HUB_REPO, b)
+    env = {**ENV, "HF_HOME": str(root / "hf"), "HF_HUB_OFFLINE": "1"}
+    server = ServerProcess(a, extra_args=ARGS, env=env, log_path=root / "server.log")
+    server.root, server.paths, server.hub_commit = root, {"a": a, "b": b}, commit
     server.references = {name: reference_generate(path, max_new_tokens=TOKENS) for name, path in server.paths.items()}
     with server:
         yield server
@@ -139,6 +147,31 @@ def test_a_wrong_checkpoint_is_refused_naming_it_and_the_old_weights_serve_on(se
         assert r.status_code == 422 and words in r.json()["error"], (body, r.text)
     assert served.client.get("/admin/weights").json()["version"] == "a"
     assert_greedy_tokens(served, served.references["a"], TOKENS)
+
+
+def test_a_hugging_face_repo_id_updates_from_the_hosts_hub_cache(served):
+    """``source: org/name`` (and ``revision``): the repo's snapshot found in the host's Hub cache
+    (offline here, as HF_HUB_OFFLINE=1 has it), every rank reading its rows of that commit; the
+    version defaults to ``repo@commit``. A repo the cache lacks, a revision it lacks, and a
+    revision beside a directory are 422s naming them, the old weights serving on."""
+    _update(served, "a")
+    commit = served.hub_commit
+    for body, words in (({"source": "acme/absent"}, "not in the local Hub cache"),
+                        ({"source": HUB_REPO, "revision": "f" * 40}, "acme/llama-b@" + "f" * 40),
+                        ({"source": served.paths["b"], "revision": "main"}, "revision")):
+        r = served.client.post("/admin/weights", json=body)
+        assert r.status_code == 422 and words in r.json()["error"], (body, r.text)
+    assert_greedy_tokens(served, served.references["a"], TOKENS)
+    r = served.client.post("/admin/weights", json={"source": HUB_REPO, "revision": "main"})
+    assert r.status_code == 200, r.text
+    outcome = r.json()
+    assert outcome["version"] == f"{HUB_REPO}@{commit[:12]}" and outcome["source"] == f"{HUB_REPO}@{commit}"
+    size = sum(os.path.getsize(os.path.join(served.paths["b"], n)) for n in os.listdir(served.paths["b"])
+               if n.endswith(".safetensors"))
+    assert all(0 < n < 0.65 * size for n in outcome["bytes_read_per_rank"]), outcome
+    assert served.client.get("/admin/weights").json()["source"] == f"{HUB_REPO}@{commit}"
+    assert_greedy_tokens(served, served.references["b"], TOKENS)
+    _update(served, "a")
 
 
 def test_sglangs_route_updates_with_sglangs_request_body(served):

@@ -1,7 +1,8 @@
 """Operator routes under ``/admin``, behind the API key like every route but the probes.
 
-``POST /admin/weights`` ``{"source": DIR, "version"?: label, "mode"?: "wait" | "abort" | "keep"}``:
-new weights into the running group from a checkpoint directory (``server.weights``); 422 naming
+``POST /admin/weights`` ``{"source": DIR | s3://... | org/name, "revision"?: Hub revision, "version"?:
+label, "mode"?: "wait" | "abort" | "keep"}``: new weights into the running group from a checkpoint
+directory, an object-storage prefix or a Hugging Face repo (``server.weights``); 422 naming
 the tensor or field where the checkpoint or the request is wrong (the old weights serve on),
 409 while another update or a peer transfer runs. ``GET /admin/weights``: the version served,
 its source, when, the last update, one in progress.

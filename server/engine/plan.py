@@ -108,12 +108,15 @@ class WeightUpdate:
     plan carries no work, and the step group holds until every group has updated. ``files``: where
     the checkpoint is in object storage, its small files (config, index, ``remote.json`` naming the
     weights' objects) by name: each rank writes them into a directory of its own host and reads its
-    rows from the store (``server.weights.update_directory``)."""
+    rows from the store (``server.weights.update_directory``). ``hub``: a Hugging Face repo id at
+    commit ``revision``, which each rank finds in (or downloads to) its own host's Hub cache."""
 
     source: str
     version: str
     trainer: TrainerTransfer | None = None
     files: dict[str, bytes] = field(default_factory=dict)
+    hub: str | None = None
+    revision: str | None = None
 
 
 @dataclass
