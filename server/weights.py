@@ -126,7 +126,7 @@ class WeightsAdmin:
             theirs = {slot.name: slot for slot in (Slot.from_json(item) for item in manifest)}
         except (TypeError, ValueError) as e:
             raise InputValidationError(f"manifest: {e}", param="manifest") from None
-        ours = self.loaded.manifest
+        ours = trainer_manifest(self.loaded)
         for slot in ours:
             other = theirs.get(slot.name)
             if other is None or other.shape != slot.shape:
@@ -410,16 +410,34 @@ def receive_from_trainer(loaded, transfer, mesh_shape: tuple[int, int]) -> int |
                                     transfer.timeout_s, device if device.type == "cuda" else None)
     except (RuntimeError, ValueError, OSError) as e:
         return f"the trainer's ranks did not join: {type(e).__name__}: {e}"
-    plan = transfer_plan(loaded.manifest, transfer.senders, mesh_shape, sent_sharded=transfer.sent_sharded)
+    from loaders.quantization.on_load import dense_manifest, quantize_rows
+
+    slots, dense = dense_manifest(loaded.model, loaded.manifest)
+    plan = transfer_plan(slots, transfer.senders, mesh_shape, sent_sharded=transfer.sent_sharded)
+    held = held_tensors(loaded.model)
     received = 0
     try:
-        for _, rows in receive_pieces(group, me, loaded.manifest, plan, loaded.context.target_device,
-                                      into=held_tensors(loaded.model)):
+        for name, rows in receive_pieces(group, me, slots, plan, loaded.context.target_device,
+                                         into={n: t for n, t in held.items() if n not in dense}):
             received += rows.numel() * rows.element_size()
+            if name in dense:  # a linear quantized on load: its rows quantized here, as at load
+                stem = name.removesuffix("weight")
+                for part, value in quantize_rows(rows, dense[name].format).items():
+                    held[stem + part][0].copy_(value)
     except Exception as e:
         raise PartialUpdateError(f"receiving from the trainer failed after {received} bytes: {type(e).__name__}: {e}",
                                  path="trainer") from e
     return received
+
+
+def trainer_manifest(loaded) -> list:
+    """The tensors a trainer sends, in order (``shard_engine.transfer.Slot``s): what the model
+    holds, but a linear quantized on load (``--quantization int8|fp8``) as its dense weight, whose
+    rows each serving rank quantizes as they arrive (``loaders.quantization.on_load``). Every rank
+    derives the same list from its own model."""
+    from loaders.quantization.on_load import dense_manifest
+
+    return dense_manifest(loaded.model, loaded.manifest)[0]
 
 
 def _refresh(model, residency) -> None:

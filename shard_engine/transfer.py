@@ -251,7 +251,7 @@ def receive_pieces(group: dist.ProcessGroup, rank: int, slots: list[Slot], plan:
     """Yield (name, this rank's rows of it) for every manifest tensor, in manifest order, as each
     arrives; receives are posted up to ``window_bytes`` ahead of the one yielded. ``into``: receive
     straight into these tensors (``held_tensors``' of a live model: its rows of each, in place)
-    instead of new ones. Once all are in, the senders' checksums are compared; a mismatch raises
+    instead of new ones (a name it lacks: a new one). Once all are in, the senders' checksums are compared; a mismatch raises
     ValueError naming the tensor."""
     mine: dict[int, list[Piece]] = {}
     for piece in plan:
@@ -268,7 +268,7 @@ def receive_pieces(group: dist.ProcessGroup, rank: int, slots: list[Slot], plan:
             shape = (sum(p.stop - p.start for p in pieces), *slot.shape[1:])
         else:
             first, shape = 0, slot.shape
-        if into is None:
+        if into is None or slot.name not in into:
             return torch.empty(shape, dtype=slot.torch_dtype, device=device), first
         tensor = into[slot.name][0]
         if tuple(tensor.shape) != tuple(shape) or tensor.dtype != slot.torch_dtype or not tensor.is_contiguous():

@@ -294,6 +294,38 @@ def test_an_fsdp2_trainer_pushes_its_shards_into_the_server(served, tmp_path):
     assert served.client.get("/admin/weights").json()["version"] == "trained"
 
 
+def _greedy(server) -> list[list[int]]:
+    out = []
+    for prompt in PROMPTS:
+        r = server.client.post("/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": TOKENS,
+                                                                                   "details": True}})
+        assert r.status_code == 200, r.text
+        out.append([t["id"] for t in r.json()["details"]["tokens"]])
+    return out
+
+
+def test_a_trainer_pushes_dense_rows_into_a_server_that_quantizes_on_load(served, tmp_path):
+    """``--quantization int8``: the trainer sends each quantized linear's dense rows and every
+    serving rank quantizes its own as they arrive (server.weights.trainer_manifest): the tokens
+    equal those of an update from a directory of the same weights, quantized as at load; each
+    serving rank receives its half of the dense rows and nothing else."""
+    args = (*ARGS, "--quantization", "int8")
+    with ServerProcess(served.paths["a"], extra_args=args, env=ENV, log_path=served.root / "int8.log") as server:
+        before = _greedy(server)
+        assert server.client.post("/admin/weights", json={"source": served.paths["b"]}).status_code == 200
+        from_disk = _greedy(server)
+        assert server.client.post("/admin/weights", json={"source": served.paths["a"]}).status_code == 200
+        assert _greedy(server) == before != from_disk
+        outcomes = values(run_ranks(_train_and_push, 3, tmp_path, served.paths["b"], server.url, "trained-int8",
+                                    timeout=180))
+        assert not outcomes[0].get("error"), outcomes[0]
+        assert _greedy(server) == from_disk
+        checkpoint = sum(os.path.getsize(os.path.join(served.paths["b"], n))
+                         for n in os.listdir(served.paths["b"]) if n.endswith(".safetensors"))
+        received = outcomes[0]["bytes_received_per_rank"]
+        assert len(received) == 2 and all(0.4 * checkpoint < r < 0.6 * checkpoint for r in received), received
+
+
 def test_two_replicas_roll_one_always_serving(served):
     """Replicas update one at a time (they share no weights): while replica 0 waits for its stream
     to finish on the old weights, replica 1 answers every new request; then it updates in turn."""

@@ -5,6 +5,8 @@ Each linear of the skeleton but ``lm_head`` (vLLM's dynamic FP8 leaves it too) b
 with one scale per output row (``int-quantized`` INT8 or ``float-quantized`` FP8 e4m3, symmetric,
 min-max): a row's scale needs nothing but that row, so each rank quantizes the rows it reads, as
 they arrive (:func:`quantize_rows`), and no unit is ever whole in high precision on any rank.
+A trainer's push (``server.weights``) sends such a linear's dense rows (:func:`dense_manifest`),
+which each serving rank quantizes the same way as they arrive.
 The tensors it makes are those compressed-tensors' own compressor writes for the same weights
 (its ``calculate_qparams`` and ``compress``): serving a checkpoint with ``--quantization int8``
 computes what serving that checkpoint quantized by compressed-tensors does, bit for bit.
@@ -67,3 +69,23 @@ def quantize_rows(rows: torch.Tensor, fmt: LinearFormat) -> dict[str, torch.Tens
     state = {"weight": rows, "weight_scale": scale, "weight_zero_point": zero_point}
     stored = BaseCompressor.get_value_from_registry(fmt.kind).compress(state, fmt.scheme)
     return {"weight": stored["weight"], "weight_scale": stored["weight_scale"]}
+
+
+def dense_manifest(model: nn.Module, manifest: list) -> tuple[list, dict[str, nn.Module]]:
+    """``manifest`` (``shard_engine.transfer.Slot``s of what the model holds) as a sender of dense
+    weights sends it: each linear quantized on load as its dense weight, of its rows' shape in its
+    scale's dtype (the model's), its ``weight_scale`` dropped (computed from the rows by
+    :func:`quantize_rows`, as at load); and {that weight's name: its module}."""
+    from shard_engine.transfer import Slot
+
+    on_load = {f"{fqn}.weight": m for fqn, m in model.named_modules() if getattr(m, "quantize_on_load", False)}
+    scales = {name.removesuffix("weight") + "weight_scale" for name in on_load}
+    out = []
+    for slot in manifest:
+        if slot.name in scales:
+            continue
+        module = on_load.get(slot.name)
+        if module is not None:
+            slot = Slot(slot.name, slot.shape, str(module.weight_scale.dtype).removeprefix("torch."), slot.sharded)
+        out.append(slot)
+    return out, {name: m for name, m in on_load.items() if any(s.name == name for s in out)}
