@@ -7,7 +7,7 @@ An FSDP2 trainer's shard of a parameter is a set of rows, and so is a serving ra
 serving rank receives exactly its rows from the trainer ranks that hold them (the intersection of
 their row ranges; one sender per tensor where the shard sizes match), over a process group of the
 trainer's and the server's ranks (gloo on CPU, NCCL on GPUs; ``shard_engine.transfer``), with a
-CRC-32 per piece. Nothing is gathered on either side; a trainer's float32 master weights are cast
+a 64-bit XXH3 hash per piece. Nothing is gathered on either side; a trainer's float32 master weights are cast
 to the server's dtype piece by piece as they go.
 
 Collective over the trainer's default group: every trainer rank calls :func:`push` with its part
@@ -101,15 +101,21 @@ def push(model: nn.Module, url: str, *, version: str | None = None, mode: str = 
 
 
 def _wait_for(url: str, headers: dict, version: str, timeout_s: float, poll_s: float) -> dict:
+    """The server's record of the update to ``version`` once it is done: ``GET /admin/weights``
+    polled on one connection, first every 10 ms (the update ends soon after the last byte
+    arrives), backing off to every ``poll_s``."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = httpx.get(url + "/admin/weights", headers=headers, timeout=30).json()
-        last = state.get("last_update") or {}
-        if state.get("in_progress") is None and last.get("version") == version and last.get("source") == "trainer":
-            return last
-        time.sleep(poll_s)
+    delay = min(0.01, poll_s)
+    with httpx.Client(headers=headers, timeout=30) as client:
+        while time.monotonic() < deadline:
+            state = client.get(url + "/admin/weights").json()
+            last = state.get("last_update") or {}
+            if state.get("in_progress") is None and last.get("version") == version and last.get("source") == "trainer":
+                return last
+            time.sleep(delay)
+            delay = min(delay * 2, poll_s)
     return {"error": f"the update was not done within {timeout_s} s"}
 
 

@@ -9,8 +9,9 @@ rank's rows of a sharded tensor come from the sending ranks whose shards interse
 shard sizes may differ: a row-range plan; equal sizes: one sender per tensor), a whole tensor
 from one sending rank; the receiving ranks are spread over the sending replicas. Sends are the
 sender's own shard views (no copy); receives land in the tensors the receiver keeps. Every piece
-carries a CRC-32 (zlib's: 7 GB/s on this project's CPU), sent after the pieces, so a receiver
-knows each unit's rows arrived as they were held.
+carries a 64-bit XXH3 hash of its bytes (the ``xxhash`` package: 12.6 GB/s on one core of this
+project's CPU, against 2.3 GB/s for zlib's CRC-32, which cost a 744 MB shard 0.3 s on each side),
+sent after the pieces, so a receiver knows each unit's rows arrived as they were held.
 
 Transfer-group ranks: the senders first (their global ranks in their own group), then the
 receivers (offset by the senders' world size). The group is a process group of its own
@@ -24,7 +25,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import zlib
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -152,13 +152,15 @@ def transfer_plan(slots: list[Slot], senders: tuple[int, int], receivers: tuple[
 
 
 def checksum(t: torch.Tensor) -> int:
-    """CRC-32 of a host tensor's bytes; of a device tensor, a sum of its bytes' 32-bit words
-    weighted by position (computed where it lies), as a 32-bit value."""
+    """XXH3-64 of a host tensor's bytes (to 63 bits: it travels as an int64); of a device tensor, a
+    sum of its bytes' 32-bit words weighted by position (computed where it lies), as a 32-bit value."""
     if t.numel() == 0:
         return 0
     flat = t.detach().contiguous().view(-1).view(torch.uint8)
     if t.device.type == "cpu":
-        return zlib.crc32(flat.numpy())
+        import xxhash
+
+        return xxhash.xxh3_64_intdigest(flat.numpy()) & ((1 << 63) - 1)
     words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat.to(torch.int32)
     weights = torch.arange(1, words.numel() + 1, device=t.device, dtype=torch.int64) % 65521
     return int(((words.to(torch.int64) * weights).sum() % (1 << 32)).item())
