@@ -48,7 +48,21 @@ class WeightsAdmin:
 
     def describe(self) -> dict:
         return {"version": self.version, "source": self.source, "updated_at": self.updated_at,
-                "in_progress": self.running, "last_update": self.last}
+                "in_progress": self.running, "last_update": self.last, "replicas": self.replica_versions()}
+
+    def replica_versions(self) -> list[dict]:
+        """Each replica's weights as its step groups compute with them now: ``{"replica", "version",
+        "updating"}``. While an update rolls, replicas already done report the new version and
+        the others the old one; ``updating`` marks the replica whose groups hold for it."""
+        if self.router is None:
+            return []
+        shard = self.loaded_mesh[1]
+        out: dict[int, dict] = {}
+        for scheduler, ranks in zip(self.router.schedulers, self.router.replicas):
+            entry = out.setdefault(ranks[0] // shard, {"replica": ranks[0] // shard, "version": scheduler.weights_version,
+                                                       "updating": False})
+            entry["updating"] = entry["updating"] or scheduler.updating
+        return [out[r] for r in sorted(out)]
 
     def update(self, body) -> dict:
         """``POST /admin/weights``'s work (on a worker thread): checked, then applied; 4xx errors

@@ -340,10 +340,11 @@ def test_two_replicas_roll_one_always_serving(served):
         updater.start()
         wait_until(lambda: server.client.get("/admin/weights").json()["in_progress"] is not None, 30,
                    "the update under way")
-        answered = []
+        answered, seen = [], []
         while updater.is_alive() and len(answered) < 20:
             r = server.client.post("/generate", json={"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 2}})
             answered.append(r.status_code)
+            seen.append(server.client.get("/admin/weights").json()["replicas"])
         updater.join(60)
         threads[0].join(30)
         # answered while the update ran (all groups paused at once would have held them to its end)
@@ -352,3 +353,9 @@ def test_two_replicas_roll_one_always_serving(served):
         assert len(outs[0]) == STREAM_TOKENS  # finished on the old weights, not cut
         for _ in range(2):  # both replicas, placed in turn
             assert_greedy_tokens(server, served.references["b"], TOKENS)
+        # /admin/weights said each replica's version as it rolled: never both updating at once
+        assert all(sum(r["updating"] for r in replicas) <= 1 for replicas in seen), seen
+        assert any(r["updating"] for replicas in seen for r in replicas), seen
+        final = server.client.get("/admin/weights").json()["replicas"]
+        assert final == [{"replica": 0, "version": "b", "updating": False},
+                         {"replica": 1, "version": "b", "updating": False}], final

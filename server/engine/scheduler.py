@@ -273,6 +273,11 @@ class Scheduler:
         return self._update is not None or self._holding or self._pause is not None
 
     @property
+    def updating(self) -> bool:
+        """A weight update is planned or this group holds for one (``server.weights``)."""
+        return self._update is not None or self._holding
+
+    @property
     def paused_by_request(self) -> bool:
         """Paused by :meth:`pause` (vLLM's ``/is_paused``)."""
         return self._pause is not None
