@@ -46,6 +46,16 @@ class WeightsAdmin:
         self.loaded_mesh: tuple[int, int] = (1, 1)  # this group's (replicas, shard size), for trainers
         self.state = None  # rank 0's ServerState: a failed group ends a wait
 
+    def readiness(self) -> tuple[dict | None, bool]:
+        """What ``/ready`` says of an update in progress (None: none), and whether it asked to drain
+        (``"drain": true``: ``/ready`` answers 503 until it ends, so that a load balancer's readiness
+        check sends the group nothing meanwhile: ``server.roll``)."""
+        running = self.running
+        if running is None:
+            return None, False
+        return {k: running[k] for k in ("source", "version", "mode", "phase", "started") if k in running}, \
+            bool(running.get("drain"))
+
     def describe(self) -> dict:
         return {"version": self.version, "source": self.source, "updated_at": self.updated_at,
                 "in_progress": self.running, "last_update": self.last, "replicas": self.replica_versions()}
@@ -77,7 +87,7 @@ class WeightsAdmin:
         try:
             began = time.perf_counter()
             self.running = {"source": source, "version": version, "mode": mode, "phase": "checking",
-                            "started": time.time()}
+                            "started": time.time(), "drain": bool(body.get("drain"))}
             try:
                 update = _located(source, version, revision)
                 self._check(update.source)
@@ -246,7 +256,7 @@ def _parse(body) -> tuple[str, str | None, str, str | None]:
 
     if not isinstance(body, dict):
         raise InputValidationError("the body must be a JSON object")
-    unknown = set(body) - {"source", "version", "mode", "revision"}
+    unknown = set(body) - {"source", "version", "mode", "revision", "drain"}
     if unknown:
         raise InputValidationError(f"unknown field(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
     source, version, mode = body.get("source"), body.get("version"), body.get("mode", "wait")
@@ -267,6 +277,9 @@ def _parse(body) -> tuple[str, str | None, str, str | None]:
                                    "x-weights-version header)", param="version")
     if mode not in MODES:
         raise InputValidationError(f"mode: one of {', '.join(MODES)}", param="mode")
+    if not isinstance(body.get("drain", False), bool):
+        raise InputValidationError("drain: true or false (true: /ready answers 503 while this update runs, so a "
+                                   "load balancer sends the group nothing meanwhile)", param="drain")
     return source, version, mode, revision
 
 

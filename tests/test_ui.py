@@ -92,6 +92,7 @@ def test_the_page_shows_the_load_the_group_and_a_streamed_answer(browser, model_
         cells = page.eval_on_selector_all("#ranks tbody tr", "rows => rows.map(r => r.cells[0].textContent)")
         assert cells == ["0", "1"]
         assert "1 x 2" in page.inner_text("#mesh")
+        assert page.inner_text("#weights").startswith("weights "), page.inner_text("#weights")  # the version served
         # the live figures are up before the chat: two scrapes of /metrics make a rate, 0 while idle
         page.wait_for_function("document.getElementById('tps').textContent === '0.0'", timeout=20000)
         # a chat answer streams in, with its figures

@@ -326,6 +326,56 @@ def test_a_trainer_pushes_dense_rows_into_a_server_that_quantizes_on_load(served
         assert len(received) == 2 and all(0.4 * checkpoint < r < 0.6 * checkpoint for r in received), received
 
 
+def test_separate_groups_roll_one_at_a_time_each_drained_while_it_updates(served, tmp_path):
+    """``python -m server.roll`` over two groups (the module's 2-rank server and a 1-rank one),
+    behind no balancer: each updates with ``drain``, so its /ready answers 503 while it updates
+    (a running stream on the first keeps it updating for a second) and never both at once; both
+    end on the new weights; a refused checkpoint stops the roll at the first group, exit 1."""
+    import subprocess
+    import sys
+
+    from tests.server_process import REPO
+
+    _update(served, "a")
+    with ServerProcess(served.paths["a"], extra_args=("--kv-cache-memory", "8MiB"), env=ENV,
+                       log_path=served.root / "second-group.log") as second:
+        groups = [served, second]
+        states: list[list[int]] = []
+        stop = threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                states.append([g.client.get("/ready").status_code for g in groups])
+
+        threads, outs = _running_streams(served, 1)
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        proc = subprocess.run([sys.executable, "-m", "server.roll", "--source", served.paths["b"], "--version", "b",
+                               served.url, second.url], cwd=REPO, capture_output=True, text=True, timeout=300)
+        stop.set()
+        watcher.join(10)
+        threads[0].join(30)
+        assert proc.returncode == 0, proc.stderr
+        records = [json.loads(line) for line in proc.stdout.splitlines()]
+        assert [r["status"] for r in records] == ["updated", "updated"], records
+        assert all(codes != [503, 503] for codes in states), "both groups out at once"
+        assert [503, 200] in states, "the first group's /ready never said it was updating"
+        assert len(outs[0]) == STREAM_TOKENS  # mode wait: its stream finished on the old weights
+        for group in groups:
+            assert group.client.get("/admin/weights").json()["version"] == "b"
+            assert group.client.get("/ready").status_code == 200
+            assert_greedy_tokens(group, served.references["b"], TOKENS)
+        other_shape = write_checkpoint(tmp_path / "gpt2", "gpt2")
+        proc = subprocess.run([sys.executable, "-m", "server.roll", "--source", other_shape, served.url, second.url],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 1 and "roll stopped at" in proc.stderr, proc.stderr
+        records = [json.loads(line) for line in proc.stdout.splitlines()]
+        assert len(records) == 1 and records[0]["status"] == "refused" and records[0]["http_status"] == 422, records
+        for group in groups:
+            assert group.client.get("/admin/weights").json()["version"] == "b"
+    _update(served, "a")
+
+
 def test_two_replicas_roll_one_always_serving(served):
     """Replicas update one at a time (they share no weights): while replica 0 waits for its stream
     to finish on the old weights, replica 1 answers every new request; then it updates in turn."""

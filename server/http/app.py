@@ -59,6 +59,12 @@ def build_app(state: ServerState, cfg=None) -> FastAPI:
     @app.get("/ready")
     async def ready() -> JSONResponse:
         body: dict = {"status": "ready" if state.ready else "not_ready", "phase": state.phase}
+        update, drain = state.weights_admin.readiness() if state.weights_admin is not None else (None, False)
+        if update is not None:  # POST /admin/weights in progress (server.weights)
+            body["weights_update"] = update
+            if drain and state.ready:
+                body["status"] = "updating"
+                return JSONResponse(body, status_code=503)
         if state.phase == "loading":
             total = state.load_total_bytes
             body["progress"] = {

@@ -119,6 +119,15 @@ async function refreshInfo() {
   $("residency").textContent = `resident units: ${res.units !== undefined ? res.units : "?"} of ${res.of !== undefined ? res.of : "?"}` +
     `, all-gather: ${res.all_gather || "?"}, prefetch depth: ${res.prefetch_depth !== undefined ? res.prefetch_depth : "?"}` +
     (info.kv_cache ? `, KV block ${info.kv_cache.block_size} tokens, prefix caching ${info.kv_cache.prefix_caching ? "on" : "off"}` : "");
+  const served = (info.weights || {}).served;  // POST /admin/weights: the version served, one in progress
+  if (served) {
+    const next = served.in_progress;
+    $("weights").textContent = `weights ${served.version} (${served.source})` +
+      (next ? `; updating to ${next.version} from ${next.source}: ${next.phase}` : "") +
+      ((served.replicas || []).length > 1
+        ? "; replicas: " + served.replicas.map((r) => `${r.replica} ${r.version}${r.updating ? " (updating)" : ""}`).join(", ")
+        : "");
+  }
   if (!model) {
     model = info.served_model_names[0];
     $("chat").hidden = false;
