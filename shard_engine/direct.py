@@ -40,6 +40,13 @@ def _gathers(unit: FSDPModule) -> bool:
     return param_group(unit) is not None and (not is_gathered(unit) or reshards_after_forward(unit))
 
 
+def gathers_in(module: nn.Module) -> bool:
+    """Whether a forward of ``module`` (a model, or a part of one such as its vision tower) runs a
+    collective: some FSDP unit inside it holds parameters that are not resident. Every rank of a
+    shard group answers alike (residency is set collectively)."""
+    return any(_gathers(unit) for unit in module.modules() if isinstance(unit, FSDPModule))
+
+
 def direct_forward_refusal(model: nn.Module) -> str | None:
     """Why ``model``'s forwards need FSDP2's hooks now, or None when they do not."""
     for unit in fsdp_units(model):

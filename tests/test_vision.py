@@ -292,6 +292,41 @@ def test_other_meshes_and_a_replicated_encoder(llava, nproc, args):
         assert len(results) == 2
 
 
+def _idle_encodes(rank, world_size, path):
+    """A rank's blank encodes for a step with no image of its own (``ImageEncoder.encode([])``):
+    with every unit resident in the host's shared copy, and with nothing resident."""
+    import torch
+
+    from loaders import load_hsdp_model
+    from server.engine.multimodal import ImageEncoder
+    from shard_engine import HSDPInferenceConfig, set_resident_units
+
+    loaded = load_hsdp_model(path, HSDPInferenceConfig(), dtype=torch.float32)
+    encoder = ImageEncoder(loaded.model, torch.device("cpu"))
+    calls = []
+    features = encoder._features
+    encoder._features = lambda *a, **k: calls.append(1) or features(*a, **k)
+    out = {}
+    for mode, count, shared in (("shared", -1, True), ("none", 0, False)):
+        set_resident_units(loaded.model, count, shared=shared)
+        before = len(calls)
+        assert encoder.encode([]) == []
+        out[mode] = len(calls) - before
+    return {"sharded": encoder.sharded, **out}
+
+
+def test_an_idle_rank_encodes_a_blank_only_where_the_encoder_gathers(llava, tmp_path):
+    """Every rank calls the encoder in a step that encodes: one with no image of its own encodes a
+    blank image only where its encoder units gather (their all-gathers must match the others');
+    with every unit resident (the CPU default's shared copy) nothing runs a collective, and it
+    encodes nothing."""
+    from tests.dist import run_ranks, values
+
+    _, path, _ = llava
+    for got in values(run_ranks(_idle_encodes, 2, tmp_path, path, timeout=180)):
+        assert got == {"sharded": True, "shared": 0, "none": 1}, got
+
+
 def test_other_image_text_families_are_refused_before_loading():
     from transformers import LlavaOnevisionConfig
 

@@ -10,7 +10,9 @@ cache where it still holds them, else the pixels come again and are encoded agai
 ``get_image_features`` of the model; where the encoder is sharded (``--mm-encoder shard``) a rank
 with none encodes a blank image, so that the encoder's all-gathers match (its forward hooks do
 more than gather: a shared-memory ring's fill and barrier, prefetches; running them without the
-compute is not yet done). The features stay with
+compute is not yet done), but only while some encoder unit gathers: with every unit resident
+(the CPU default's shared copy) an encoder forward runs no collective, and an idle rank encodes
+nothing. The features stay with
 the sequence until its image's last token is computed; each forward passes the rows its chunks
 need, in order, as transformers' ``mm_encoder_outputs`` (:meth:`ImageEncoder.outputs`), which the model
 scatters into its placeholders' embeddings exactly as its own ``generate`` does with the pixels.
@@ -147,6 +149,7 @@ class ImageEncoder:
             if self.family.tiles else None
         self.output_class = None  # what get_image_features returns (BaseModelOutputWithPooling or a subclass)
         self._settled = False
+        self._gathers_as_of: tuple[int, bool] | None = None  # (residency changes, encoder gathers) (_gathers)
 
     @torch.no_grad()
     def encode(self, images: list[ImageInput], threads: int = 0) -> list[torch.Tensor]:
@@ -158,7 +161,7 @@ class ImageEncoder:
         if not self._settled:
             self._settle()
         if not images:
-            if self.sharded:  # the other ranks' encoder units gather: match them
+            if self.sharded and self._gathers():  # the other ranks' encoder units gather: match them
                 self._features(self.blank, [self.blank_grid] if self.blank_grid else [], None, self.blank_mask)
             return []
         if threads and threads != torch.get_num_threads():
@@ -194,6 +197,20 @@ class ImageEncoder:
         if rows.shape[0] > 1:
             fields["deepstack_features"] = [[layer] for layer in rows[1:]]
         return {"image": self.output_class(**fields)}
+
+    def _gathers(self) -> bool:
+        """Whether an encoder forward runs collectives now (some encoder unit not resident), looked
+        at again only after residency changed (``shard_engine.set_resident_units``)."""
+        from shard_engine.direct import gathers_in
+        from shard_engine.overlap import residency_changes
+
+        changes = residency_changes(self.model)
+        if self._gathers_as_of is None or self._gathers_as_of[0] != changes:
+            from shard_engine.units import encoder_module_names
+
+            gathers = any(gathers_in(self.model.get_submodule(name)) for name in encoder_module_names(self.model))
+            self._gathers_as_of = (changes, gathers)
+        return self._gathers_as_of[1]
 
     def _settle(self) -> None:
         # the encoder's units are called outside the root's forward: the root must be the root first
