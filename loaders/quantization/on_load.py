@@ -88,4 +88,5 @@ def dense_manifest(model: nn.Module, manifest: list) -> tuple[list, dict[str, nn
         if module is not None:
             slot = Slot(slot.name, slot.shape, str(module.weight_scale.dtype).removeprefix("torch."), slot.sharded)
         out.append(slot)
-    return out, {name: m for name, m in on_load.items() if any(s.name == name for s in out)}
+    sent = {slot.name for slot in out}
+    return out, {name: m for name, m in on_load.items() if name in sent}

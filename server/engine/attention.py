@@ -334,7 +334,7 @@ def _mla_step(mla, layout: PagedLayout, query_HTd, latents_1Nc, scale: float) ->
     each chunk expanded where that costs it less (:meth:`server.engine.mla.Absorbed.expands`)."""
     heads, tokens = query_HTd.shape[:2]
     out_THv = query_HTd.new_empty(tokens, heads, mla.v)
-    weight = mla._kv_b(query_HTd.dtype)
+    weight = mla.up_weight(query_HTd.dtype)
     plain = _Variant(None, None, None)
 
     def absorbed(q_HSd, k_1Lc, attend) -> torch.Tensor:  # [S, H, v]

@@ -103,7 +103,7 @@ class Absorbed:
         keys, values = type(self.module).expand_kv(self.module, c, k_rot)
         return keys[0], values[0]
 
-    def _kv_b(self, dtype: torch.dtype) -> torch.Tensor:
+    def up_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """``kv_b_proj``'s weight [heads, nope + v, kv_lora_rank] (dequantized where it is stored quantized)."""
         proj = self.module.kv_b_proj
         weight = proj.dequantized_weight(dtype).to(dtype) if hasattr(proj, "dequantized_weight") else proj.weight
@@ -112,7 +112,7 @@ class Absorbed:
     def query(self, query: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """[1, H, T, nope + rope] -> ([1, H, T, kv_lora_rank + rope], the weight for :meth:`output`)."""
         if weight is None:
-            weight = self._kv_b(query.dtype)
+            weight = self.up_weight(query.dtype)
         q_nope, q_rot = torch.split(query, [self.nope, self.rope], dim=-1)
         absorbed = torch.einsum("bhtn,hnc->bhtc", q_nope, weight[:, :self.nope])
         return torch.cat((absorbed, q_rot), dim=-1), weight
