@@ -739,17 +739,22 @@ def _phase_quantized(p: dict, run: Run) -> None:
         engine = make_engine(ours.model, device, 64)
         vocab = ours.config.vocab_size
         prompts = random_prompts(3, (5, 9, 14), vocab, seed=5)
-        start = time.perf_counter()
-        entry = compare_greedy(engine, reference, prompts, run.parity_new, kv_blocks=64,
-                               prefill_tokens=run.prefill_tokens)
-        entry["seconds"] = round(time.perf_counter() - start, 3)
-        entry["layers"] = ours.stats.quantized_layers
-        p[name] = entry
-        if entry["equal"] != entry["of"]:
-            failures.append(name)
+        _greedy_case(p, name, failures, engine, reference, prompts, run.parity_new, run.prefill_tokens,
+                     layers=ours.stats.quantized_layers)
         del ours, reference, engine
     if failures:
         raise AssertionError(f"quantized greedy tokens differ from transformers' in {failures}")
+
+
+def _greedy_case(p: dict, name: str, failures: list, engine, reference, prompts, new_tokens: int,
+                 prefill_tokens: int, **extra) -> None:
+    """One checkpoint's greedy tokens against the reference's (:func:`compare_greedy`, 64 KV
+    blocks), timed, recorded as ``p[name]``; ``name`` added to ``failures`` where any differ."""
+    start = time.perf_counter()
+    entry = compare_greedy(engine, reference, prompts, new_tokens, kv_blocks=64, prefill_tokens=prefill_tokens)
+    p[name] = dict(entry, seconds=round(time.perf_counter() - start, 3), **extra)
+    if entry["equal"] != entry["of"]:
+        failures.append(name)
 
 
 GPU_FAMILIES = ("deepseek_v3", "falcon_rw", "bloom", "gemma2", "gpt_oss", "qwen3_next", "mamba2", "jamba")
@@ -786,12 +791,7 @@ def _phase_families(p: dict, run: Run) -> None:
         reference.generation_config.eos_token_id = None  # (as phase quantized: no end of sequence)
         engine = make_engine(ours.model, device, 64)
         prompts = random_prompts(3, (21, 34, 9), ours.config.get_text_config().vocab_size, seed=11)
-        start = time.perf_counter()
-        entry = compare_greedy(engine, reference, prompts, 8, kv_blocks=64, prefill_tokens=16)
-        entry["seconds"] = round(time.perf_counter() - start, 3)
-        p[family] = entry
-        if entry["equal"] != entry["of"]:
-            failures.append(family)
+        _greedy_case(p, family, failures, engine, reference, prompts, 8, 16)
         del ours, reference, engine
     if failures:
         raise AssertionError(f"greedy tokens differ from transformers' in {failures}")
