@@ -7,8 +7,8 @@ An FSDP2 trainer's shard of a parameter is a set of rows, and so is a serving ra
 serving rank receives exactly its rows from the trainer ranks that hold them (the intersection of
 their row ranges; one sender per tensor where the shard sizes match), over a process group of the
 trainer's and the server's ranks (gloo on CPU, NCCL on GPUs; ``shard_engine.transfer``), with a
-a 64-bit XXH3 hash per piece. Nothing is gathered on either side; a trainer's float32 master weights are cast
-to the server's dtype piece by piece as they go.
+64-bit XXH3 hash per piece. Nothing is gathered on either side; a trainer's float32 master weights
+are cast to the server's dtype piece by piece as they go.
 
 Collective over the trainer's default group: every trainer rank calls :func:`push` with its part
 of the same model (FSDP2 ``fully_shard`` by rows, on a (replicate, shard) mesh whose ranks are

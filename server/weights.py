@@ -66,13 +66,10 @@ class WeightsAdmin:
         the others the old one; ``updating`` marks the replica whose groups hold for it."""
         if self.router is None:
             return []
-        shard = self.loaded_mesh[1]
-        out: dict[int, dict] = {}
-        for scheduler, ranks in zip(self.router.schedulers, self.router.replicas):
-            entry = out.setdefault(ranks[0] // shard, {"replica": ranks[0] // shard, "version": scheduler.weights_version,
-                                                       "updating": False})
-            entry["updating"] = entry["updating"] or scheduler.updating
-        return [out[r] for r in sorted(out)]
+        schedulers = self.router.schedulers
+        return [{"replica": replica, "version": schedulers[groups[0]].weights_version,
+                 "updating": any(schedulers[i].updating for i in groups)}
+                for replica, groups in enumerate(self._replica_groups())]
 
     def update(self, body) -> dict:
         """``POST /admin/weights``'s work (on a worker thread): checked, then applied; 4xx errors
@@ -232,9 +229,11 @@ class WeightsAdmin:
 
     def _rolling(self) -> list[list[int]] | None:
         """With several replicas, their step groups (indices), to update one replica at a time."""
-        replicas, shard = self.loaded_mesh
-        if replicas < 2:
-            return None
+        return self._replica_groups() if self.loaded_mesh[0] >= 2 else None
+
+    def _replica_groups(self) -> list[list[int]]:
+        """Each replica's step groups (indices into the router's), replica by replica."""
+        shard = self.loaded_mesh[1]
         out: dict[int, list[int]] = {}
         for i, ranks in enumerate(self.router.replicas):
             out.setdefault(ranks[0] // shard, []).append(i)
@@ -267,8 +266,7 @@ def _parse(body) -> tuple[str, str | None, str, str | None]:
     if "://" in source and not source.startswith("s3://"):
         raise InputValidationError("source: a local checkpoint directory, an s3:// prefix or a Hugging Face repo id; "
                                    "other URLs are not implemented", param="source")
-    if revision is not None and (not isinstance(revision, str) or not revision
-                                 or os.path.isdir(source) or not looks_like_repo_id(source)):
+    if revision is not None and (not isinstance(revision, str) or not revision or not looks_like_repo_id(source)):
         raise InputValidationError("revision: a branch, tag or commit of a Hugging Face repo id given as source",
                                    param="revision")
     if version is not None and (not isinstance(version, str) or not 0 < len(version) <= 128
@@ -302,7 +300,7 @@ def _located(source: str, version: str | None, revision: str | None):
     from loaders.sources.hub import download_hub_model, looks_like_repo_id
     from server.engine.plan import WeightUpdate
 
-    if not source.startswith("s3://") and not os.path.isdir(source) and looks_like_repo_id(source):
+    if looks_like_repo_id(source):  # (never a path that exists, nor a URL)
         local = download_hub_model(source, revision)
         commit = os.path.basename(local.rstrip(os.sep))  # the snapshot's directory: its commit
         return WeightUpdate(source=local, version=version or label(f"{source}@{commit[:12]}"), hub=source,

@@ -253,8 +253,8 @@ def receive_pieces(group: dist.ProcessGroup, rank: int, slots: list[Slot], plan:
     """Yield (name, this rank's rows of it) for every manifest tensor, in manifest order, as each
     arrives; receives are posted up to ``window_bytes`` ahead of the one yielded. ``into``: receive
     straight into these tensors (``held_tensors``' of a live model: its rows of each, in place)
-    instead of new ones (a name it lacks: a new one). Once all are in, the senders' checksums are compared; a mismatch raises
-    ValueError naming the tensor."""
+    instead of new ones (a name it lacks: a new one). Once all are in, the senders' checksums are
+    compared; a mismatch raises ValueError naming the tensor."""
     mine: dict[int, list[Piece]] = {}
     for piece in plan:
         if piece.dst == rank:
