@@ -12,6 +12,12 @@ Idefics3 and SmolVLM: an image as 56x56 tiles and then its whole, each tile's to
 markers (``<fake_token_around_image><row_1_col_2>``), so an image's tokens lie among text tokens,
 and a pixel mask per tile. Each on 2 ranks with prompts cut into chunks of 7 tokens, so that chunks
 end among an image's tiles: the same equalities, for one and two images.
+
+LLaVA-OneVision: an image alone in its prompt tiled as LLaVA-NeXT's (its tiles pooled to
+``anyres_max_1``), an image among others its whole image's features and a newline, as its chat
+template passes a conversation's images to its processor. A tiny random one (SigLIP tower, Qwen2
+text model) on 2 ranks, chunks of 7 tokens: the same equalities for one, two and three images, and
+for the same image alone and among others in two requests sent together.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import pytest
 
 from tests.server_process import ServerProcess
 from tests.vision_checkpoints import assert_same_answer, at_once, image_parts, make_image, reference_answer, \
-    served_answer, template_messages, write_idefics3_checkpoint, write_llava_next_checkpoint
+    served_answer, template_messages, write_idefics3_checkpoint, write_llava_next_checkpoint, \
+    write_llava_onevision_checkpoint
 
 TOKENS = 8
 WIDE, TALL, SQUARE = (60, 30), (30, 60), (50, 50)
@@ -75,7 +82,7 @@ def test_repeated_image_hits_the_prefix_cache(served):
     image = make_image(6, SQUARE)
     first = _answer(served, _parts(image))
     before = hits()
-    assert _answer(served, _parts(image)) == first
+    assert_same_answer(_answer(served, _parts(image)), first)  # the hit's suffix sums in another order
     assert hits() - before >= 20  # the image's tokens (4 whole-image features, then 2x2 tiles' with newlines)
 
 
@@ -160,3 +167,66 @@ def test_idefics3_on_a_2x2_mesh_gathering(tmp_path):
     with server:
         for _ in range(2):
             _check(server, images, _answer(server, _parts(*images)))
+
+
+# -- LLaVA-OneVision: an image tiled only alone in its prompt ----------------------------------------
+
+@pytest.fixture(scope="module")
+def onevision(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llava-onevision")
+    path = write_llava_onevision_checkpoint(root / "llava-onevision")
+    server = ServerProcess(path, extra_args=("--kv-cache-memory", "8MiB", "--kv-block-size", "4",
+                                             "--max-batch-prefill-tokens", "7"), log_path=root / "server.log")
+    server.path = path
+    with server:
+        yield server
+
+
+@pytest.mark.parametrize("sizes", [[WIDE], [TALL], [SQUARE, WIDE], [TALL, SQUARE, WIDE]],
+                         ids=["alone-wide", "alone-tall", "two", "three"])
+def test_onevision_tiles_an_image_only_alone_in_its_prompt(onevision, sizes):
+    """Alone: its whole image, then its tiles unpadded and pooled to one tile's features, a newline
+    a row; among others: each image's whole and a newline. Prompts cut into chunks of 7 tokens, so
+    that chunks end inside images."""
+    images = [make_image(30 + i, size) for i, size in enumerate(sizes)]
+    got = _answer(onevision, _parts(*images))
+    _check(onevision, images, got)
+    assert got[2]["prompt_tokens"] > (7 if len(images) == 1 else 5 * len(images))
+
+
+def test_onevision_image_alone_and_among_others_encoded_in_one_step(onevision):
+    """The same image alone in one request and beside another in a second, sent together: its two
+    embeddings differ, both requests are exact, and neither hits the other's cached blocks."""
+    image, other = make_image(40, WIDE), make_image(41, SQUARE)
+    results = at_once(alone=lambda: _answer(onevision, _parts(image)),
+                      among=lambda: _answer(onevision, _parts(image, other)))
+    _check(onevision, [image], results["alone"])
+    _check(onevision, [image, other], results["among"])
+
+
+def test_onevision_images_encode_together_as_alone_and_keep_their_keys(tmp_path):
+    """An encoder call holding images alone in their prompts and images among others (one of them
+    the only such image of the call) gives each the rows it gets in a call of its own; an image's key
+    tells whether it was alone."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from server.api.media import ImagePrompts
+    from server.engine.multimodal import ImageEncoder
+
+    path = write_llava_onevision_checkpoint(tmp_path / "llava-onevision")
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = ImagePrompts.load(path, AutoConfig.from_pretrained(path))
+    wide, square, tall = make_image(42, WIDE), make_image(43, SQUARE), make_image(44, TALL)
+    [alone_wide] = prompts.prompt("USER: <image>\nASSISTANT:", [wide])[1]
+    [alone_tall] = prompts.prompt("USER: <image>\nASSISTANT:", [tall])[1]
+    among = prompts.prompt("USER: <image><image>\nASSISTANT:", [wide, square])[1]
+    assert alone_wide.shape[1] == 3 and alone_tall.shape[1] == 3 and [i.shape[1] for i in among] == [1, 1]
+    assert alone_wide.key != among[0].key and (alone_wide.count, among[0].count) == (7, 5)
+    encoder = ImageEncoder(model, torch.device("cpu"))
+    alone = {id(image): encoder.encode([image])[0] for image in (alone_wide, alone_tall)}
+    pair = encoder.encode(among)
+    for call in ([among[1], alone_wide, alone_tall], [alone_tall, *among], among[::-1]):
+        for image, rows in zip(call, encoder.encode(call)):
+            want = alone[id(image)] if id(image) in alone else pair[among.index(image)]
+            torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-6)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import base64
 import functools
 import io
+import json
+import os
 import tempfile
 
 import numpy as np
@@ -209,6 +211,55 @@ def write_llava_next_checkpoint(path, *, seed: int = 0, max_shard_size="40KB") -
     return path
 
 
+# LLaVA-OneVision: SigLIP's every patch feature (no CLS), the tiles of an image alone in its prompt at
+# the best of these sizes, pooled back to at most ``ONEVISION_MAX_TILES`` tiles' features
+# (``anyres_max_1``: a 2x2 tiling is interpolated to one tile's 2x2 rows, as 3x3 of anyres_max_9 would be)
+ONEVISION_PINPOINTS = [[28, 56], [56, 28], [56, 56]]
+ONEVISION_ASPECT = "anyres_max_1"
+
+
+def write_llava_onevision_checkpoint(path, *, seed: int = 0, max_shard_size="40KB") -> str:
+    """Save a random-weight LLaVA-OneVision (a 2-layer SigLIP tower over 28x28 tiles in 14x14 patches,
+    every patch feature kept; a gelu projector; a Qwen2 text model; a learned newline) under the hub's
+    tensor names, with its ``LlavaOnevisionProcessor``. An image alone in its prompt is tiled at
+    :data:`ONEVISION_PINPOINTS` (its tokens depend on its aspect, pooled to :data:`ONEVISION_ASPECT`);
+    among several, each is its whole image's 4 features and a newline."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, SiglipVisionConfig
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import \
+        LlavaOnevisionImageProcessorPil
+
+    tok = make_processor().tokenizer
+    image_processor = LlavaOnevisionImageProcessorPil(
+        size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, image_grid_pinpoints=ONEVISION_PINPOINTS, do_pad=True)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
+    config = LlavaOnevisionConfig(
+        vision_config=vision, text_config=make_config("qwen2", len(tok)),
+        image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN), image_grid_pinpoints=ONEVISION_PINPOINTS,
+        vision_aspect_ratio=ONEVISION_ASPECT, projector_hidden_act="gelu", vision_feature_layer=-1,
+        vision_feature_select_strategy="full", tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = LlavaOnevisionForConditionalGeneration(config)
+    with torch.no_grad():
+        for linear in (model.model.multi_modal_projector.linear_1, model.model.multi_modal_projector.linear_2):
+            linear.weight.normal_(0.0, PROJECTOR_STD)
+        model.model.image_newline.normal_(0.0, 1.0)
+    state_dict = {_rename(k, NEXT_HUB_PREFIXES): v for k, v in model.state_dict().items()}
+    path = str(path)
+    model.save_pretrained(path, state_dict=state_dict, max_shard_size=max_shard_size, save_original_format=False)
+    # its processor as its parts (transformers builds LlavaOnevisionProcessor's video processor only
+    # with torchvision): server.api.media.load_processor assembles it from them and these settings
+    image_processor.save_pretrained(path)
+    tok.save_pretrained(path)
+    with open(os.path.join(path, "processor_config.json"), "w") as f:
+        json.dump({"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": IMAGE_TOKENS_PER_IMAGE,
+                   "vision_feature_select_strategy": "full", "vision_aspect_ratio": ONEVISION_ASPECT,
+                   "image_token": IMAGE_TOKEN}, f)
+    return path
+
+
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 
 
@@ -394,6 +445,17 @@ def _reference_model(path: str):
     return model, load_processor(path)
 
 
+def _sample(model, images):
+    """``images`` as the processor takes one prompt's: a list, or (LLaVA-OneVision, whose processor
+    tiles an image only alone in its sample) one sample's list, as transformers' chat template
+    passes a conversation's images."""
+    from server.engine.multimodal import image_family
+
+    family = image_family(model.config)
+    images = list(images)
+    return None if not images else [images] if family is not None and family.tiled_alone else images
+
+
 def reference_vlm_generate(path, messages, images, max_new_tokens: int = 16) -> list[int]:
     """Greedy new token ids from transformers' own unsharded model for chat ``messages`` showing
     ``images`` (in the order their image parts appear): the reference we must match."""
@@ -408,7 +470,7 @@ def reference_prompt_generate(path, prompt: str, images, max_new_tokens: int = 1
     """Greedy new token ids from transformers' own unsharded model for ``prompt`` (an image
     placeholder per image) and ``images``."""
     model, processor = _reference_model(str(path))
-    inputs = processor(text=prompt, images=list(images) or None, return_tensors="pt")
+    inputs = processor(text=prompt, images=_sample(model, images), return_tensors="pt")
     out = model.generate(
         **inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
         pad_token_id=processor.tokenizer.pad_token_id,
@@ -424,7 +486,7 @@ def reference_vlm_logprobs(path, messages, images, max_new_tokens: int = 16) -> 
     model, processor = _reference_model(str(path))
     prompt = processor.tokenizer.apply_chat_template(messages, chat_template=processor.chat_template,
                                                      add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=prompt, images=list(images) or None, return_tensors="pt")
+    inputs = processor(text=prompt, images=_sample(model, images), return_tensors="pt")
     out = model.generate(
         **inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
         pad_token_id=processor.tokenizer.pad_token_id, output_logits=True, return_dict_in_generate=True,

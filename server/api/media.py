@@ -222,8 +222,11 @@ class ImagePrompts:
     """The model's processor: a prompt's text and images into token ids and the engine's images."""
 
     def __init__(self, processor, image_token_id: int, span: tuple[int, int] | None = None,
-                 tiles_of: Callable[[list[int]], int] | None = None):
+                 tiles_of: Callable[[list[int]], int] | None = None, tiled_alone: bool = False):
         self.processor, self.image_token_id = processor, image_token_id
+        # LLaVA-OneVision: an image is tiled only alone in its prompt; the processor tells by sample, so a
+        # prompt's images go to it as one sample (as transformers' chat template passes a conversation's)
+        self.tiled_alone = tiled_alone
         # an image's own tiles from its size (LLaVA-NeXT, whose processor pads a request's images to its
         # most tiles): what its model takes of them, so that its pixels and key are its own alone
         self.tiles_of = tiles_of
@@ -250,7 +253,11 @@ class ImagePrompts:
 
             tiles_of = functools.partial(image_size_to_num_patches, grid_pinpoints=config.image_grid_pinpoints,
                                          patch_size=config.vision_config.image_size)
-        return cls(load_processor(model_dir), config.image_token_id, span, tiles_of)
+        from server.engine.multimodal import image_family
+
+        family = image_family(config)
+        return cls(load_processor(model_dir), config.image_token_id, span, tiles_of,
+                   tiled_alone=family is not None and family.tiled_alone)
 
     @property
     def chat_template(self) -> str | None:
@@ -271,8 +278,9 @@ class ImagePrompts:
         if not images:
             return self.processor.tokenizer(text, add_special_tokens=special_tokens).input_ids, []
         try:  # the processor's own refusals (an aspect ratio it cannot resize, ...) are the image's fault
-            out = self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=special_tokens)
-            counts = self._token_counts(images)
+            out = self.processor(text=[text], images=[images] if self.tiled_alone else images, return_tensors="pt",
+                                 add_special_tokens=special_tokens)
+            counts = self._token_counts(images, out)
         except ValueError as e:
             raise MediaError(f"the model's processor refuses the image: {e}", param="messages") from e
         ids = out["input_ids"][0].tolist()
@@ -289,7 +297,9 @@ class ImagePrompts:
         elif self.per_tile is not None:  # one sample's tiles, every image's in turn (Idefics3, SmolVLM)
             pixels, masks = _per_image(pixels[0], masks[0] if masks is not None else None, self._tiles(images))
         else:  # one entry an image (LLaVA-NeXT's: its tiles, less the request's padding)
-            if self.tiles_of is not None:
+            if self.tiled_alone and len(images) > 1:  # its whole alone (what the processor gives of it)
+                pixels = [pixel[:1] for pixel in pixels]
+            elif self.tiles_of is not None:
                 pixels = [pixel[:self.tiles_of(grid)] for pixel, grid in zip(pixels, grids)]
             pixels = [pixel.unsqueeze(0) for pixel in pixels]
             masks = [mask.unsqueeze(0) for mask in masks] if masks is not None else None
@@ -304,10 +314,12 @@ class ImagePrompts:
             at += count
         return ids, inputs
 
-    def _token_counts(self, images: list) -> list[int]:
+    def _token_counts(self, images: list, out) -> list[int]:
         """Each image's image tokens, from the processor's own arithmetic."""
         if self.per_tile is not None:  # its tiles' (the processor's own count is the whole span, markers too)
             return [tiles * self.per_tile for tiles in self._tiles(images)]
+        if self.tiled_alone:  # by its companions' number, which _get_num_multimodal_tokens does not know
+            return [self.processor.replace_image_token(out, i).count(self.image_token) for i in range(len(images))]
         sizes = [[image.height, image.width] for image in images]
         return self.processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
 

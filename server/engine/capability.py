@@ -74,8 +74,7 @@ def check_servable(config, model_class=None) -> None:
     if image_text_only(config) and config.model_type not in SERVED_IMAGE_TEXT_MODEL_TYPES:
         raise UnsupportedModelError(
             architecture, "its images are not computed by the engine: the image-text families served are "
-            f"{', '.join(sorted(SERVED_IMAGE_TEXT_MODEL_TYPES))} (tiling that depends on the prompt's image "
-            "count, as LLaVA-OneVision's, and video are not yet)")
+            f"{', '.join(sorted(SERVED_IMAGE_TEXT_MODEL_TYPES))} (video is not yet)")
     if getattr(text, "kv_lora_rank", None):
         from server.engine.mla import has_mla_modules
 

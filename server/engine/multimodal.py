@@ -62,11 +62,14 @@ class ImageFamily:
     bidirectional: bool = False  # its attention over an image's tokens goes both ways: a chunk holds an image whole
     tensor_features: bool = False  # its forward takes mm_encoder_outputs' features as one tensor, not a list
     tiles: bool = False  # an image is tiles [1, tiles, C, H, W] with a pixel mask, its tokens among tile markers
+    # an image alone in its prompt is its whole and its tiles; among others, its whole alone (LLaVA-OneVision)
+    tiled_alone: bool = False
 
 
 IMAGE_FAMILIES = {
     "llava": ImageFamily(),
     "llava_next": ImageFamily(),
+    "llava_onevision": ImageFamily(tiled_alone=True),
     "qwen2_vl": ImageFamily(),
     "qwen2_5_vl": ImageFamily(),
     "qwen3_vl": ImageFamily(),
@@ -76,8 +79,11 @@ IMAGE_FAMILIES = {
 }
 """Image-text families whose image tokens the engine computes exactly (``model_type``): their tokens
 one run an image, or tiles' runs among tile markers (Idefics3, SmolVLM); their attention over an
-image's tokens causal (LLaVA, LLaVA-NeXT, Qwen-VL, Idefics3, SmolVLM) or both ways (Gemma 3); their rope one position per token or placed by the image's grid (Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL: :class:`GridRope`)."""
+image's tokens causal (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Qwen-VL, Idefics3, SmolVLM) or both ways
+(Gemma 3); their rope one position per token or placed by the image's grid (Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL: :class:`GridRope`); an image's tiles its own (LLaVA-NeXT) or, in LLaVA-OneVision, only
+where it is alone in its prompt (its tokens depend on its companions' number: an image among others
+is its whole image's features and a newline, so its key and its cached embeddings differ)."""
 
 SERVED_IMAGE_TEXT_MODEL_TYPES = frozenset(IMAGE_FAMILIES)
 
@@ -166,17 +172,40 @@ class ImageEncoder:
             return []
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # the idle ranks' cores, as the step's forward (server.engine.cores)
+        if self.family.tiled_alone:
+            return self._tiled_alone(images)
         pixels = _stack([pixel_tensor(image) for image in images]).to(self.device)
         masks = _stack([mask_tensor(image) for image in images], tile_dim=1).to(self.device) \
             if self.family.tiles else None
         return self._features(pixels, [image.grid for image in images if image.grid],
                               [image.count for image in images], masks)
 
+    def _tiled_alone(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """LLaVA-OneVision's images in one call: its ``get_image_features`` tiles the images of a
+        sample of one image and takes the whole of each image of a sample of several
+        (``batch_num_images``). The images alone in their prompts (more than their whole: its tiles,
+        as ``server.api.media`` keeps them) go first, one sample each; then the others as one sample
+        (its tokens do not depend on which images share it), with the one such image twice where it
+        is the only one (a sample of one would be tiled)."""
+        alone = [i for i, image in enumerate(images) if image.shape[1] > 1]
+        among = [i for i, image in enumerate(images) if image.shape[1] == 1]
+        order = alone + among + among[:1] * (len(among) == 1)
+        samples = [1] * len(alone) + [len(order) - len(alone)] * bool(among)
+        pixels = _stack([pixel_tensor(images[i]) for i in order]).to(self.device)
+        rows = self._features(pixels, [images[i].grid for i in order], [images[i].count for i in order],
+                              samples=samples)
+        out: list[torch.Tensor | None] = [None] * len(images)
+        for i, features in zip(order, rows):
+            out[i] = features if out[i] is None else out[i]
+        return out
+
     def _features(self, pixels: torch.Tensor, grids: list[list[int]], counts: list[int] | None,
-                  masks: torch.Tensor | None = None) -> list[torch.Tensor]:
+                  masks: torch.Tensor | None = None, samples: list[int] | None = None) -> list[torch.Tensor]:
         extra = {self.geometry: torch.tensor(grids, device=self.device)} if grids else {}
         if masks is not None:
             extra["pixel_attention_mask"] = masks
+        if samples is not None:
+            extra["batch_num_images"] = torch.tensor(samples, device=self.device)
         out = self.base.get_image_features(pixel_values=pixels, return_dict=True, **extra)
         if self.output_class is None:
             self.output_class = type(out)
