@@ -143,7 +143,8 @@ def _nothing_to_convert(tensors, expected: dict[str, torch.Tensor]) -> bool:
 
 QUANTIZED_COMPANIONS = {
     "_scale_inv": {"_fp8": ".weight", "_scale_inv": ".weight_scale_inv"},
-    "_packed_scale": {"_packed": ".weight_packed", "_packed_scale": ".weight_scale", "_packed_shape": ".weight_shape"},
+    "_packed_scale": {"_packed": ".weight_packed", "_packed_scale": ".weight_scale", "_packed_shape": ".weight_shape",
+                      "_packed_zero_point": ".weight_zero_point"},  # zero points: asymmetric only
     "_g_idx": {"_qweight": ".qweight", "_qzeros": ".qzeros", "_scales": ".scales", "_g_idx": ".g_idx"},  # GPTQ
     "_qzeros": {"_qweight": ".qweight", "_qzeros": ".qzeros", "_scales": ".scales"},  # AWQ
 }
@@ -173,6 +174,8 @@ def _with_quantized_companions(converters: list, model: nn.Module) -> list:
             out.append(converter)
             continue
         for suffix, stored in companions.items():
+            if not re.search(re.escape(targets[0]) + suffix + "$", names, re.MULTILINE):
+                continue  # a tensor this format stores only in some schemes (zero points)
             out.append(converter.copy([s.removesuffix(".weight") + stored for s in sources], [targets[0] + suffix],
                                       operations=copy.deepcopy(list(converter.operations))))
     return out

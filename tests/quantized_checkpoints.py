@@ -364,9 +364,11 @@ def write_compressed_w4a16(path, *, base=None, group_size=32, symmetric=True, se
     return _write_compressed(path, base, seed, scheme, max_shard_size, ignore_extra=indivisible)
 
 
-def write_compressed_experts(path, *, base, num_bits=4, group_size=16, max_shard_size=DEFAULT_SHARD) -> str:
+def write_compressed_experts(path, *, base, num_bits=4, group_size=16, symmetric=True,
+                             max_shard_size=DEFAULT_SHARD) -> str:
     """A MoE checkpoint as llm-compressor's W4A16 (``num_bits`` 4) or W8A16 (8) writes Qwen3-MoE's and
-    DeepSeek's: compressed-tensors ``pack-quantized``, symmetric, ``group_size`` (None: per channel),
+    DeepSeek's: compressed-tensors ``pack-quantized``, symmetric (W4A16_ASYM's zero points where not),
+    ``group_size`` (None: per channel),
     every projection of a block quantized under its per-expert names (``experts.{e}.gate_proj.
     weight_packed``, ``weight_scale``, ``weight_shape``) by compressed-tensors' own compressor; the
     router, norms, embeddings and ``lm_head`` stay float32 (``ignore``). ``base``: a MoE checkpoint in
@@ -376,7 +378,7 @@ def write_compressed_experts(path, *, base, num_bits=4, group_size=16, max_shard
         QuantizationStatus
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    weights = QuantizationArgs(num_bits=num_bits, type="int", symmetric=True, dynamic=False,
+    weights = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, dynamic=False,
                                strategy="group" if group_size else "channel", group_size=group_size)
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, format="pack-quantized")
     compressor = BaseCompressor.get_value_from_registry("pack-quantized")
@@ -384,8 +386,11 @@ def write_compressed_experts(path, *, base, num_bits=4, group_size=16, max_shard
     def pack(w: torch.Tensor) -> dict[str, torch.Tensor]:
         w = w.t().contiguous()  # [out, in]
         lo, hi = _observe_minmax(w, weights)
-        scale, _ = calculate_qparams(lo, hi, weights)
-        return compressor.compress({"weight": w, "weight_scale": scale.reshape(w.shape[0], -1)}, scheme)
+        scale, zero_point = calculate_qparams(lo, hi, weights)
+        tensors = {"weight": w, "weight_scale": scale.reshape(w.shape[0], -1)}
+        if not symmetric:
+            tensors["weight_zero_point"] = zero_point.reshape(w.shape[0], -1)
+        return compressor.compress(tensors, scheme)
 
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head", "re:.*mlp.gate$"],
                                 format="pack-quantized", quantization_status=QuantizationStatus.COMPRESSED)

@@ -583,17 +583,26 @@ def test_gptq_and_awq_experts_equal_their_specifications_and_are_sharded_by_expe
         assert got["bytes_read"] < 1.15 * got["checkpoint_bytes"] / mesh[1], got
 
 
-@pytest.mark.parametrize("bits,group,mesh", [(4, 16, (1, 2)), (8, None, (1, 3)), (4, 16, (2, 2))],
-                         ids=["w4a16-2-ranks", "w8a16-channel-3-ranks", "w4a16-2x2"])
-def test_compressed_tensors_packed_experts_equal_transformers_and_are_sharded_by_experts(tmp_path, bits, group, mesh):
-    """llm-compressor's W4A16 (W8A16) of a MoE: every projection, each expert's under its own name,
-    compressed-tensors ``pack-quantized`` (codes in int32, a scale per group or channel, its shape).
+@pytest.mark.parametrize("bits,group,mesh,symmetric", [(4, 16, (1, 2), True), (8, None, (1, 3), True),
+                                                      (4, 16, (2, 2), True), (4, 16, (1, 2), False)],
+                         ids=["w4a16-2-ranks", "w8a16-channel-3-ranks", "w4a16-2x2", "w4a16-asym-2-ranks"])
+def test_compressed_tensors_packed_experts_equal_transformers_and_are_sharded_by_experts(tmp_path, bits, group, mesh,
+                                                                                          symmetric):
+    """llm-compressor's W4A16 (W8A16; W4A16_ASYM, with zero points) of a MoE: every projection, each
+    expert's under its own name, compressed-tensors ``pack-quantized`` (codes in int32, a scale per
+    group or channel, its shape, packed zero points where asymmetric). Asymmetric: against the weights
+    dequantized by hand, as transformers cannot load them.
     Greedy output equals transformers' own load (it decompresses every expert at load) in float32;
     the experts stay packed, stacked, each rank holding its experts' codes and scales and reading
     about 1/S of the checkpoint; attention's linears are QuantizedLinears of the same format."""
     base = write_checkpoint(tmp_path / "base", "qwen3_moe")
-    path = qc.write_compressed_experts(tmp_path / "packed", base=base, num_bits=bits, group_size=group)
-    reference = reference_generate(path, max_new_tokens=TOKENS)
+    path = qc.write_compressed_experts(tmp_path / "packed", base=base, num_bits=bits, group_size=group,
+                                       symmetric=symmetric)
+    # transformers 5.24 cannot load asymmetric ones (its CompressedTensorsDequantize of stacked experts
+    # gets no zero points: "Asymmetric quant requires zero-point values"): there, the dense checkpoint of
+    # the weights compressed-tensors' specification gives, dequantized by hand
+    reference = reference_generate(path if symmetric else qc.write_dequantized(tmp_path / "dense", path),
+                                   max_new_tokens=TOKENS)
     results = values(run_ranks(_load_packed_experts, mesh[0] * mesh[1], tmp_path, path, mesh, timeout=300))
     experts = [-(-4 // mesh[1])] * (mesh[1] - 1)
     experts.append(4 - sum(experts))
@@ -605,32 +614,39 @@ def test_compressed_tensors_packed_experts_equal_transformers_and_are_sharded_by
         assert got["stored"]["gate_up_proj_packed"] == ((local, 64, 64 * bits // 32), torch.int32), got["stored"]
         assert got["stored"]["gate_up_proj_packed_scale"] == ((local, 64, groups), torch.float32), got["stored"]
         assert got["stored"]["down_proj_packed"] == ((local, 64, 32 * bits // 32), torch.int32), got["stored"]
-        assert got["layers"][f"pack-quantized: int{bits} {'group 16' if group else 'per channel'} experts"] == 2, \
-            got["layers"]
+        what = f"pack-quantized: int{bits} {'group 16' if group else 'per channel'}{'' if symmetric else ' asymmetric'}"
+        assert got["layers"][f"{what} experts"] == 2, got["layers"]
         assert any(what.startswith("pack-quantized") and "experts" not in what for what in got["layers"]), got["layers"]
+        # gate's and up's zero points, 32 rows each packed 32 // bits a word, a column a group
+        zero_points = None if symmetric else ((local, 2 * 32 * bits // 32, groups), torch.int32)
+        assert got["stored"].get("gate_up_proj_packed_zero_point") == zero_points, got["stored"]
         assert got["bytes_read"] < 1.15 * got["checkpoint_bytes"] / mesh[1], got
 
 
-def test_packed_experts_of_a_format_not_served_are_refused_naming_the_tensor():
-    """Asymmetric (zero points) pack-quantized experts: refused before reading, naming the tensor."""
+def test_experts_of_a_format_not_served_are_refused_naming_the_tensor():
+    """W8A8 experts (int8 weights, per-token activations: no experts form takes them) stay dense in
+    the skeleton, and their scales are refused before reading, naming the tensor."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from loaders.errors import CheckpointError
     from loaders.quantization import quantization_plan
     from loaders.quantization.experts import quantize_linear_experts
+    from loaders.quantization.linear import check_nothing_else_quantized
 
     plan = quantization_plan({"quantization_config": {
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
         "config_groups": {"a": {"targets": ["Linear"], "weights": {
-            "num_bits": 4, "type": "int", "strategy": "group", "group_size": 16, "symmetric": False}}}}})
+            "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
+            "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True,
+                                  "dynamic": True}}}}})
     config = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=2, num_hidden_layers=1,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     prefix = "model.layers.0.mlp.experts"
     sources = [f"{prefix}.{e}.{p}.weight" for p in ("gate_proj", "up_proj") for e in range(2)]
-    stored = {f"{s}_{t}": (shape, dtype) for s in sources for t, shape, dtype in (
-        ("packed", (16, 4), torch.int32), ("scale", (16, 2), torch.float32), ("shape", (2,), torch.int64),
-        ("zero_point", (2, 2), torch.int32))}
-    with pytest.raises(CheckpointError, match=r"asymmetric\) is not served for experts.*experts.0.gate_proj.weight_packed"):
-        quantize_linear_experts(model, plan, {f"{prefix}.gate_up_proj": (sources, 2)}, stored)
+    stored = {**{s: ((16, 32), torch.int8) for s in sources},
+              **{f"{s}_scale": ((16, 1), torch.float32) for s in sources}}
+    assert quantize_linear_experts(model, plan, {f"{prefix}.gate_up_proj": (sources, 2)}, stored) == ({}, set())
+    with pytest.raises(CheckpointError, match=r"experts.0.gate_proj.weight is stored quantized .* belongs to no layer"):
+        check_nothing_else_quantized(model, stored)

@@ -88,12 +88,18 @@ def _dequantized_packed(proj: str):
         columns = self.linear_columns[proj]
         if not self.__dict__.get("_shapes_checked"):
             _check_packed_shapes(self)
-        # compressed-tensors' own decompression, in one call: by groups or channels every row stands alone, so
-        # the experts' linears (and gate's and up's parts) decompress as the rows of one linear, bit for bit
         experts, rows = packed.shape[:2]
-        weight = self.packed_compressor.decompress(
-            {"weight_packed": packed.reshape(experts * rows, -1), "weight_scale": scales.reshape(experts * rows, -1),
-             "weight_shape": torch.Size((experts * rows, columns))}, self.linear_format.scheme)["weight"]
+        # compressed-tensors' own decompression, in one call: by groups or channels every row stands alone, so
+        # the experts' linears (and gate's and up's parts) decompress as the rows of one linear, bit for bit;
+        # asymmetric zero points are packed along the rows, so they stack as the rows do (each linear's rows
+        # fill whole words: quantize_linear_experts checks)
+        tensors = {"weight_packed": packed.reshape(experts * rows, -1), "weight_scale": scales.reshape(experts * rows, -1),
+                   "weight_shape": torch.Size((experts * rows, columns))}
+        zero_points = getattr(self, f"{proj}_packed_zero_point", None)
+        if zero_points is not None:
+            zero_points = _routed(self, zero_points)
+            tensors["weight_zero_point"] = zero_points.reshape(-1, zero_points.shape[-1])
+        weight = self.packed_compressor.decompress(tensors, self.linear_format.scheme)["weight"]
         return weight.reshape(experts, rows, columns).to(self.experts_dtype)
 
     return property(weight, doc=f"``{proj}`` of the routed experts, decompressed from their packed codes and scales")
@@ -295,12 +301,19 @@ def quantize_fp8_experts(model: nn.Module, fused: dict[str, tuple[list[str], int
 
 
 EXPERT_STORAGE = {
-    "pack-quantized": {"weight_packed": "_packed", "weight_scale": "_packed_scale", "weight_shape": "_packed_shape"},
+    "pack-quantized": {"weight_packed": "_packed", "weight_scale": "_packed_scale", "weight_shape": "_packed_shape",
+                       "weight_zero_point": "_packed_zero_point"},
     "gptq": {"qweight": "_qweight", "qzeros": "_qzeros", "scales": "_scales", "g_idx": "_g_idx"},
     "awq": {"qweight": "_qweight", "qzeros": "_qzeros", "scales": "_scales"},
 }
 """For each linear format served for experts: each stored tensor's suffix on the fused parameter's
-name in the model (``loaders.conversion.QUANTIZED_COMPANIONS`` stacks them under those names)."""
+name in the model (``loaders.conversion.QUANTIZED_COMPANIONS`` stacks them under those names);
+a scheme stores some of them only (zero points: asymmetric weights)."""
+
+
+def _storage(fmt, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, str]]:
+    """(stored name, suffix) of each tensor ``fmt``'s scheme stores (``shapes``: its stored shapes)."""
+    return [(name, suffix) for name, suffix in EXPERT_STORAGE[fmt.kind].items() if name in shapes]
 
 
 def quantize_linear_experts(model: nn.Module, plan, fused: dict[str, tuple[list[str], int]],
@@ -318,9 +331,8 @@ def quantize_linear_experts(model: nn.Module, plan, fused: dict[str, tuple[list[
     ``plan``: the checkpoint's QuantizationPlan, whose format for each expert's linear says how it
     is stored; ``fused``: model name of a fused parameter -> (its sources' ``.weight`` names, as a
     dense checkpoint would store them; the parts concatenated along its rows). Returns ({format:
-    modules changed}, the checkpoint keys they take). Pack-quantized with zero points or quantized
-    activations, a missing tensor or a shape that does not stack is an error naming the tensor."""
-    from loaders.quantization.formats import enum_value
+    modules changed}, the checkpoint keys they take). Pack-quantized with quantized activations (or by
+    tensor), a missing tensor or a shape that does not stack is an error naming the tensor."""
     from loaders.quantization.storage import stored_shapes
 
     counts: dict[str, int] = {}
@@ -354,17 +366,15 @@ def quantize_linear_experts(model: nn.Module, plan, fused: dict[str, tuple[list[
                 if got is None:
                     raise CheckpointError(f"{linear} is not stored quantized as its experts' others are", path=path,
                                           tensor=key)
-                w = got.scheme.weights if got.scheme is not None else None
-                if got.kind == "pack-quantized" and (got.scheme.input_activations is not None or not w.symmetric
-                                                     or enum_value(w.strategy) not in ("group", "channel")):
-                    raise CheckpointError(f"{linear} is stored packed but its format ({got.describe()}) is not "
-                                          "served for experts (symmetric weight-only pack-quantized by groups or "
-                                          "channels)", path=path, tensor=f"{linear}.weight_packed")
                 if fmt is not None and got != fmt:
                     raise CheckpointError(f"the experts of {name} mix formats ({fmt.describe()}, {got.describe()})",
                                           path=path, tensor=f"{linear}.{got.stored_names[0]}")
                 fmt = got
                 shapes = stored_shapes(fmt, rows // parts, columns)
+                if "weight_zero_point" in shapes and rows // parts * fmt.scheme.weights.num_bits % 32:
+                    raise CheckpointError(f"{linear}.weight_zero_point: the zero points of {rows // parts} rows, packed "
+                                          f"{32 // fmt.scheme.weights.num_bits} a word, do not fill whole words, so "
+                                          "the experts' do not stack", path=path, tensor=f"{linear}.weight_zero_point")
                 for stored_name, shape in shapes.items():
                     entry = stored.get(f"{linear}.{stored_name}")
                     if entry is None or tuple(entry[0]) != tuple(shape):
@@ -374,14 +384,13 @@ def quantize_linear_experts(model: nn.Module, plan, fused: dict[str, tuple[list[
                     taken.add(f"{linear}.{stored_name}")
             dtypes.add(dense.dtype)
             delattr(module, proj)
-            for stored_name, suffix in EXPERT_STORAGE[fmt.kind].items():
+            for stored_name, suffix in _storage(fmt, shapes):
                 shape, dtype = shapes[stored_name], stored[f"{keys[0].removesuffix('.weight')}.{stored_name}"][1]
                 module.register_parameter(proj + suffix, nn.Parameter(torch.empty(
                     (experts, parts * shape[0], *shape[1:]), dtype=dtype, device="meta"), requires_grad=False))
             parts_of[proj], columns_of[proj], rows_of[proj] = parts, columns, rows
         module.experts_dtype = dtypes.pop()
-        module.row_sharded = tuple(proj + suffix for proj in projections
-                                   for suffix in EXPERT_STORAGE[fmt.kind].values())
+        module.row_sharded = tuple(proj + suffix for proj in projections for _, suffix in _storage(fmt, shapes))
         module.quantized_tensor_names = module.row_sharded
         # each projection's parts (gate, up), columns and rows, as one expert's linears store them in ``fmt``
         module.linear_format, module.linear_parts, module.linear_columns, module.linear_rows = \

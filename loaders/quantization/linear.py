@@ -232,7 +232,7 @@ def check_nothing_else_quantized(model: nn.Module, stored: dict[str, tuple[tuple
             continue
         if dtype in QUANTIZED_DTYPES or name.rpartition(".")[2] in QUANTIZED_SUFFIXES:
             raise CheckpointError(f"{name} is stored quantized ({dtype}) but belongs to no layer the server "
-                                  "dequantizes (of experts, MXFP4, fp8 blocks, symmetric weight-only pack-quantized, "
+                                  "dequantizes (of experts, MXFP4, fp8 blocks, weight-only pack-quantized, "
                                   "GPTQ and AWQ are served; other non-Linear weights are not)",
                                   path=path, tensor=name)
 
