@@ -328,10 +328,10 @@ def test_an_idle_rank_encodes_a_blank_only_where_the_encoder_gathers(llava, tmp_
 
 
 def test_other_image_text_families_are_refused_before_loading():
-    from transformers import InternVLConfig
+    from transformers import PaliGemmaConfig
 
     from server.engine.capability import UnsupportedModelError, check_servable
 
-    with pytest.raises(UnsupportedModelError, match="image-text families served are gemma3, idefics3, llava, "
-                       "llava_next, llava_onevision, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm"):
-        check_servable(InternVLConfig())
+    with pytest.raises(UnsupportedModelError, match="image-text families served are gemma3, idefics3, internvl, "
+                       "llava, llava_next, llava_onevision, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm"):
+        check_servable(PaliGemmaConfig())

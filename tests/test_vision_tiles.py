@@ -18,6 +18,10 @@ LLaVA-OneVision: an image alone in its prompt tiled as LLaVA-NeXT's (its tiles p
 template passes a conversation's images to its processor. A tiny random one (SigLIP tower, Qwen2
 text model) on 2 ranks, chunks of 7 tokens: the same equalities for one, two and three images, and
 for the same image alone and among others in two requests sent together.
+
+InternVL: an image cropped to 56x56 tiles by its aspect and its thumbnail, 4 tokens a tile between
+``<img>`` and ``</img>``, every image's tiles in one flat batch of pixel values: the same equalities
+for one and two images, chunks of 7 tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import pytest
 from tests.server_process import ServerProcess
 from tests.vision_checkpoints import assert_same_answer, at_once, image_parts, make_image, reference_answer, \
     served_answer, template_messages, write_idefics3_checkpoint, write_llava_next_checkpoint, \
-    write_llava_onevision_checkpoint
+    write_internvl_checkpoint, write_llava_onevision_checkpoint
 
 TOKENS = 8
 WIDE, TALL, SQUARE = (60, 30), (30, 60), (50, 50)
@@ -230,3 +234,47 @@ def test_onevision_images_encode_together_as_alone_and_keep_their_keys(tmp_path)
         for image, rows in zip(call, encoder.encode(call)):
             want = alone[id(image)] if id(image) in alone else pair[among.index(image)]
             torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-6)
+
+
+# -- InternVL: an image as its tiles and thumbnail, every image's tiles in one flat batch ------------
+
+@pytest.fixture(scope="module")
+def internvl(tmp_path_factory):
+    root = tmp_path_factory.mktemp("internvl")
+    path = write_internvl_checkpoint(root / "internvl")
+    server = ServerProcess(path, extra_args=("--kv-cache-memory", "8MiB", "--kv-block-size", "4",
+                                             "--max-batch-prefill-tokens", "7"), log_path=root / "server.log")
+    server.path = path
+    with server:
+        yield server
+
+
+@pytest.mark.parametrize("sizes", [[WIDE], [SQUARE], [TALL, WIDE]], ids=["wide", "square", "two"])
+def test_internvl_tiles_in_chunks(internvl, sizes):
+    """An image's tiles by its aspect (a wide one 2 tiles and its thumbnail, a square one itself
+    alone), 4 tokens a tile between ``<img>`` and ``</img>``; chunks of 7 tokens end inside images."""
+    images = [make_image(50 + i, size) for i, size in enumerate(sizes)]
+    _check(internvl, images, _answer(internvl, _parts(*images)))
+
+
+def test_internvl_images_encode_together_as_alone(tmp_path):
+    """Images of different tile counts from one prompt and another, in one encoder call: each gets
+    the rows it gets alone; an image's tiles and key are its own whatever its companions."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from server.api.media import ImagePrompts
+    from server.engine.multimodal import ImageEncoder
+
+    path = write_internvl_checkpoint(tmp_path / "internvl")
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = ImagePrompts.load(path, AutoConfig.from_pretrained(path))
+    wide, square = make_image(52, WIDE), make_image(53, SQUARE)
+    pair = prompts.prompt("USER: <IMG_CONTEXT><IMG_CONTEXT>\nASSISTANT:", [wide, square])[1]
+    [alone] = prompts.prompt("USER: <IMG_CONTEXT>\nASSISTANT:", [wide])[1]
+    assert [image.shape[0] for image in pair] == [3, 1] and [image.count for image in pair] == [12, 4]
+    assert (alone.key, alone.shape, alone.pixels) == (pair[0].key, pair[0].shape, pair[0].pixels)
+    encoder = ImageEncoder(model, torch.device("cpu"))
+    together = encoder.encode([pair[1], alone, pair[0]])
+    for image, rows in zip([pair[1], alone, pair[0]], together):
+        torch.testing.assert_close(rows, encoder.encode([image])[0], rtol=1e-5, atol=1e-6)

@@ -260,6 +260,53 @@ def write_llava_onevision_checkpoint(path, *, seed: int = 0, max_shard_size="40K
     return path
 
 
+INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
+                   "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+INTERNVL_TILE = 56  # a tile's side: 4x4 patches of 14, pixel-shuffled to 2x2 = 4 tokens a tile
+INTERNVL_MAX_TILES = 4
+
+
+def write_internvl_checkpoint(path, *, seed: int = 0, max_shard_size="40KB") -> str:
+    """Save a random-weight InternVL (the InternVL3 ``-hf`` layout: a 2-layer InternViT over 56x56
+    tiles in 14x14 patches, CLS dropped, pixel-shuffled 2x2 into 4 tokens a tile, an MLP projector, a
+    Qwen2 text model) with its processor's parts (GOT-OCR2's image processor, cropping an image to
+    1..:data:`INTERNVL_MAX_TILES` tiles by its aspect and adding its thumbnail; the tokenizer with
+    ``<img>``, ``</img>`` and ``<IMG_CONTEXT>``): an image is ``<img>``, 4 ``<IMG_CONTEXT>`` a tile,
+    ``</img>``, its tiles' pixel values concatenated with the other images'."""
+    from transformers import AutoTokenizer, InternVLConfig, InternVLForConditionalGeneration, InternVLVisionConfig
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer().save_pretrained(tmp)
+        tok = AutoTokenizer.from_pretrained(tmp, extra_special_tokens=INTERNVL_TOKENS)
+    tok.chat_template = CHAT_TEMPLATE.replace("'<image>'", "'<IMG_CONTEXT>'")
+    image_processor = GotOcr2ImageProcessorPil(
+        size={"height": INTERNVL_TILE, "width": INTERNVL_TILE}, crop_to_patches=True, min_patches=1,
+        max_patches=INTERNVL_MAX_TILES)
+    vision = InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  image_size=[INTERNVL_TILE, INTERNVL_TILE], patch_size=[PATCH_SIZE, PATCH_SIZE])
+    seq = (INTERNVL_TILE // PATCH_SIZE) ** 2 // 4
+    config = InternVLConfig(
+        vision_config=vision, text_config=make_config("qwen2", len(tok)), image_seq_length=seq,
+        image_token_id=tok.convert_tokens_to_ids(INTERNVL_TOKENS["context_image_token"]),
+        vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = InternVLForConditionalGeneration(config)
+    with torch.no_grad():
+        for linear in (model.model.multi_modal_projector.linear_1, model.model.multi_modal_projector.linear_2):
+            linear.weight.normal_(0.0, PROJECTOR_STD)
+    path = str(path)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    # its processor as its parts (transformers builds InternVLProcessor's video processor only with
+    # torchvision): server.api.media.load_processor assembles it from them and these settings
+    image_processor.save_pretrained(path)
+    tok.save_pretrained(path)
+    with open(os.path.join(path, "processor_config.json"), "w") as f:
+        json.dump({"processor_class": "InternVLProcessor", "image_seq_length": seq}, f)
+    return path
+
+
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 
 

@@ -178,7 +178,7 @@ def load_processor(model_dir: str):
 
     try:
         return AutoProcessor.from_pretrained(model_dir)
-    except ImportError as exc:
+    except (ImportError, ValueError) as exc:  # InternVL's says so with a ValueError
         if "torchvision" not in str(exc).lower():
             raise
         return _image_processor_only(model_dir)
@@ -222,11 +222,14 @@ class ImagePrompts:
     """The model's processor: a prompt's text and images into token ids and the engine's images."""
 
     def __init__(self, processor, image_token_id: int, span: tuple[int, int] | None = None,
-                 tiles_of: Callable[[list[int]], int] | None = None, tiled_alone: bool = False):
+                 tiles_of: Callable[[list[int]], int] | None = None, tiled_alone: bool = False,
+                 flat_tiles: bool = False):
         self.processor, self.image_token_id = processor, image_token_id
         # LLaVA-OneVision: an image is tiled only alone in its prompt; the processor tells by sample, so a
         # prompt's images go to it as one sample (as transformers' chat template passes a conversation's)
         self.tiled_alone = tiled_alone
+        # InternVL: every image's tiles in one flat batch, image_seq_length tokens a tile
+        self.tile_tokens = getattr(processor, "image_seq_length", None) if flat_tiles else None
         # an image's own tiles from its size (LLaVA-NeXT, whose processor pads a request's images to its
         # most tiles): what its model takes of them, so that its pixels and key are its own alone
         self.tiles_of = tiles_of
@@ -257,7 +260,8 @@ class ImagePrompts:
 
         family = image_family(config)
         return cls(load_processor(model_dir), config.image_token_id, span, tiles_of,
-                   tiled_alone=family is not None and family.tiled_alone)
+                   tiled_alone=family is not None and family.tiled_alone,
+                   flat_tiles=family is not None and family.flat_tiles)
 
     @property
     def chat_template(self) -> str | None:
@@ -296,6 +300,8 @@ class ImagePrompts:
             pixels = pixels.split([t * h * w for t, h, w in grids])
         elif self.per_tile is not None:  # one sample's tiles, every image's in turn (Idefics3, SmolVLM)
             pixels, masks = _per_image(pixels[0], masks[0] if masks is not None else None, self._tiles(images))
+        elif self.tile_tokens is not None:  # every image's tiles in turn, one flat batch (InternVL)
+            pixels = pixels.split([count // self.tile_tokens for count in counts])
         else:  # one entry an image (LLaVA-NeXT's: its tiles, less the request's padding)
             if self.tiled_alone and len(images) > 1:  # its whole alone (what the processor gives of it)
                 pixels = [pixel[:1] for pixel in pixels]
@@ -321,7 +327,10 @@ class ImagePrompts:
         if self.tiled_alone:  # by its companions' number, which _get_num_multimodal_tokens does not know
             return [self.processor.replace_image_token(out, i).count(self.image_token) for i in range(len(images))]
         sizes = [[image.height, image.width] for image in images]
-        return self.processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
+        counted = self.processor._get_num_multimodal_tokens(image_sizes=sizes)
+        if self.tile_tokens is not None:  # its tiles' (the processor's count adds its <img> and </img>)
+            return [tiles * self.tile_tokens for tiles in counted.num_image_patches]
+        return counted.num_image_tokens
 
     def _tiles(self, images: list) -> list[int]:
         """Each image's tiles (Idefics3, SmolVLM: its split tiles, then the whole image)."""

@@ -64,12 +64,16 @@ class ImageFamily:
     tiles: bool = False  # an image is tiles [1, tiles, C, H, W] with a pixel mask, its tokens among tile markers
     # an image alone in its prompt is its whole and its tiles; among others, its whole alone (LLaVA-OneVision)
     tiled_alone: bool = False
+    # an image is tiles [tiles, C, H, W], every image's concatenated by the processor, its tokens the
+    # processor's image_seq_length a tile (InternVL)
+    flat_tiles: bool = False
 
 
 IMAGE_FAMILIES = {
     "llava": ImageFamily(),
     "llava_next": ImageFamily(),
     "llava_onevision": ImageFamily(tiled_alone=True),
+    "internvl": ImageFamily(tensor_features=True, flat_tiles=True),
     "qwen2_vl": ImageFamily(),
     "qwen2_5_vl": ImageFamily(),
     "qwen3_vl": ImageFamily(),
@@ -79,8 +83,8 @@ IMAGE_FAMILIES = {
 }
 """Image-text families whose image tokens the engine computes exactly (``model_type``): their tokens
 one run an image, or tiles' runs among tile markers (Idefics3, SmolVLM); their attention over an
-image's tokens causal (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Qwen-VL, Idefics3, SmolVLM) or both ways
-(Gemma 3); their rope one position per token or placed by the image's grid (Qwen2-VL, Qwen2.5-VL,
+image's tokens causal (LLaVA, LLaVA-NeXT, LLaVA-OneVision, InternVL, Qwen-VL, Idefics3, SmolVLM) or
+both ways (Gemma 3); their rope one position per token or placed by the image's grid (Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL: :class:`GridRope`); an image's tiles its own (LLaVA-NeXT) or, in LLaVA-OneVision, only
 where it is alone in its prompt (its tokens depend on its companions' number: an image among others
 is its whole image's features and a newline, so its key and its cached embeddings differ)."""
