@@ -10,9 +10,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # unless a test says otherwise: ``auto`` commits a fifth of the host's memory, 2.4 GB a rank on
 # the 2-core machine, which took ~10 s of a tiny model's ~19 s start, about 600 s of the suite,
 # for tests that use a few MB of it; 512 MiB still took ~1.9 s of an 8 s start on an AVX2 host
-# (two ranks faulting their pools in at once). 128 MiB holds ~2,900 tokens a rank of the largest
+# (two ranks faulting their pools in at once). 64 MiB holds ~1,450 tokens a rank of the largest
 # model served in the tests (SmolLM2-135M in float32, 46 KB a token). test_engine checks what auto sizes.
-os.environ.setdefault("HSDP_KV_CACHE_MEMORY", "128MiB")
+os.environ.setdefault("HSDP_KV_CACHE_MEMORY", "64MiB")
 
 SUITE_BUDGET_S = float(os.environ.get("HSDP_TEST_BUDGET_S", 30 * 60))
 """The whole suite must finish within this on a 2-core machine (CI allows 90 minutes): a run

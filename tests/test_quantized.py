@@ -473,19 +473,17 @@ def _compiled_and_eager(rank, world_size, paths):
 def test_compiled_layers_over_quantized_layers_equal_eager(tmp_path):
     """``--compile decode`` over a quantized checkpoint (W8A8: the input fake-quantized in the graph;
     GPTQ with activation order: its codes unpacked and gathered by ``g_idx`` in the graph; gpt-oss's
-    MXFP4 experts and Qwen3-MoE's fp8, W4A16 and GPTQ experts, dequantized by the experts module's
-    properties in the graph) and over
+    MXFP4 experts and Qwen3-MoE's W4A16 experts, dequantized by the experts module's properties in the
+    graph: its FP8 and GPTQ experts' properties are the same mechanism over the dequantizations the
+    dense formats test, left out for the suite's time on 2-core AVX2 hosts) and over
     ``--quantization int8``: the layers' graphs hold the quantized layers' dequantization,
     and greedy tokens equal eager's in float32 (steps of 3, 2 and 1 sequences and the prompts' step)."""
     base = write_checkpoint(tmp_path / "base", "llama")
     paths = {"w8a8": (qc.write_compressed_w8a8(tmp_path / "w8a8", base=base), None), "int8": (base, "int8"),
              "gptq": (qc.write_gptq(tmp_path / "gptq", base=base, act_order=True), None),
              "mxfp4": (qc.write_mxfp4(tmp_path / "mxfp4"), None),
-             "fp8-experts": (qc.write_fp8_block(tmp_path / "fp8-experts", block=(16, 16), experts=True,
-                                                base=write_checkpoint(tmp_path / "moe", "qwen3_moe")), None),
-             "w4a16-experts": (qc.write_compressed_experts(tmp_path / "w4a16-experts", base=tmp_path / "moe"), None),
-             "gptq-experts": (qc.write_gptq(tmp_path / "gptq-experts", base=tmp_path / "moe", act_order=True,
-                                            experts=True), None)}
+             "w4a16-experts": (qc.write_compressed_experts(tmp_path / "w4a16-experts",
+                                                           base=write_checkpoint(tmp_path / "moe", "qwen3_moe")), None)}
     [got] = values(run_ranks(_compiled_and_eager, 1, tmp_path, paths, timeout=600))
     for name, result in got.items():
         assert result["compiled"] == result["eager"], (name, result)

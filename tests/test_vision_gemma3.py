@@ -14,7 +14,8 @@ import pytest
 
 from tests.server_process import ServerProcess
 from tests.vision_checkpoints import assert_same_answer, at_once, image_data_url, image_parts, make_image, \
-    reference_answer, reference_prompt_generate, served_answer, template_messages, write_gemma3_checkpoint
+    reference_answer, reference_prompt_generate, served_answer, template_messages, vision_server, \
+    write_gemma3_checkpoint
 
 TOKENS = 8
 
@@ -24,11 +25,7 @@ _parts = image_parts
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma3")
-    path = write_gemma3_checkpoint(root / "gemma3")
-    server = ServerProcess(path, extra_args=("--kv-cache-memory", "8MiB", "--kv-block-size", "4",
-                                             "--max-batch-prefill-tokens", "5"), log_path=root / "server.log")
-    server.path = path
-    with server:
+    with vision_server(write_gemma3_checkpoint(root / "gemma3"), root, 5) as server:
         yield server
 
 

@@ -18,6 +18,7 @@ assembles it from them.
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import io
 import json
@@ -198,8 +199,16 @@ def write_llava_next_checkpoint(path, *, seed: int = 0, max_shard_size="40KB") -
         vision_feature_select_strategy="default", tie_word_embeddings=False,
         bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )
+    path = _save_with_newline(LlavaNextForConditionalGeneration, config, path, seed, max_shard_size)
+    processor.save_pretrained(path)
+    return path
+
+
+def _save_with_newline(model_class, config, path, seed: int, max_shard_size) -> str:
+    """A LLaVA-NeXT-like model of ``config``, random (its projector drawn at :data:`PROJECTOR_STD`, its
+    learned newline at 1), saved under the hub's tensor names (:data:`NEXT_HUB_PREFIXES`)."""
     torch.manual_seed(seed)
-    model = LlavaNextForConditionalGeneration(config)
+    model = model_class(config)
     with torch.no_grad():
         for linear in (model.model.multi_modal_projector.linear_1, model.model.multi_modal_projector.linear_2):
             linear.weight.normal_(0.0, PROJECTOR_STD)
@@ -207,7 +216,6 @@ def write_llava_next_checkpoint(path, *, seed: int = 0, max_shard_size="40KB") -
     state_dict = {_rename(k, NEXT_HUB_PREFIXES): v for k, v in model.state_dict().items()}
     path = str(path)
     model.save_pretrained(path, state_dict=state_dict, max_shard_size=max_shard_size, save_original_format=False)
-    processor.save_pretrained(path)
     return path
 
 
@@ -240,15 +248,7 @@ def write_llava_onevision_checkpoint(path, *, seed: int = 0, max_shard_size="40K
         vision_feature_select_strategy="full", tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
         pad_token_id=0,
     )
-    torch.manual_seed(seed)
-    model = LlavaOnevisionForConditionalGeneration(config)
-    with torch.no_grad():
-        for linear in (model.model.multi_modal_projector.linear_1, model.model.multi_modal_projector.linear_2):
-            linear.weight.normal_(0.0, PROJECTOR_STD)
-        model.model.image_newline.normal_(0.0, 1.0)
-    state_dict = {_rename(k, NEXT_HUB_PREFIXES): v for k, v in model.state_dict().items()}
-    path = str(path)
-    model.save_pretrained(path, state_dict=state_dict, max_shard_size=max_shard_size, save_original_format=False)
+    path = _save_with_newline(LlavaOnevisionForConditionalGeneration, config, path, seed, max_shard_size)
     # its processor as its parts (transformers builds LlavaOnevisionProcessor's video processor only
     # with torchvision): server.api.media.load_processor assembles it from them and these settings
     image_processor.save_pretrained(path)
@@ -578,6 +578,21 @@ def reference_answer(path, messages, images, max_tokens: int) -> tuple[list[str]
     ids, logprobs = reference_vlm_logprobs(path, messages, images, max_tokens)
     tok = AutoTokenizer.from_pretrained(path)
     return [tok.decode([i]) for i in ids], logprobs
+
+
+@contextlib.contextmanager
+def vision_server(path, root, chunk: int | None = None, *args: str):
+    """A module's shared server of the checkpoint at ``path`` on 2 ranks (8 MiB of KV blocks of 4 tokens;
+    prompts cut into chunks of ``chunk`` tokens where given), its log under ``root``; ``server.path``
+    the checkpoint, for the reference."""
+    from tests.server_process import ServerProcess
+
+    chunking = ("--max-batch-prefill-tokens", str(chunk)) if chunk else ()
+    server = ServerProcess(path, extra_args=("--kv-cache-memory", "8MiB", "--kv-block-size", "4", *chunking, *args),
+                           log_path=root / "server.log")
+    server.path = path
+    with server:
+        yield server
 
 
 def assert_same_answer(got, want, tolerance: float = TOLERANCE) -> None:

@@ -93,7 +93,8 @@ def _dequantized_packed(proj: str):
         # the experts' linears (and gate's and up's parts) decompress as the rows of one linear, bit for bit;
         # asymmetric zero points are packed along the rows, so they stack as the rows do (each linear's rows
         # fill whole words: quantize_linear_experts checks)
-        tensors = {"weight_packed": packed.reshape(experts * rows, -1), "weight_scale": scales.reshape(experts * rows, -1),
+        tensors = {"weight_packed": packed.reshape(experts * rows, -1),
+                   "weight_scale": scales.reshape(experts * rows, -1),
                    "weight_shape": torch.Size((experts * rows, columns))}
         zero_points = getattr(self, f"{proj}_packed_zero_point", None)
         if zero_points is not None:
