@@ -332,8 +332,9 @@ def quantize_linear_experts(model: nn.Module, plan, fused: dict[str, tuple[list[
     ``plan``: the checkpoint's QuantizationPlan, whose format for each expert's linear says how it
     is stored; ``fused``: model name of a fused parameter -> (its sources' ``.weight`` names, as a
     dense checkpoint would store them; the parts concatenated along its rows). Returns ({format:
-    modules changed}, the checkpoint keys they take). Pack-quantized with quantized activations (or by
-    tensor), a missing tensor or a shape that does not stack is an error naming the tensor."""
+    modules changed}, the checkpoint keys they take). A missing tensor, a shape that does not stack or
+    zero points that do not fill whole packed words is an error naming the tensor (the plan has
+    already refused pack-quantized activations and strategies other than groups and channels)."""
     from loaders.quantization.storage import stored_shapes
 
     counts: dict[str, int] = {}

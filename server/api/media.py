@@ -222,14 +222,13 @@ class ImagePrompts:
     """The model's processor: a prompt's text and images into token ids and the engine's images."""
 
     def __init__(self, processor, image_token_id: int, span: tuple[int, int] | None = None,
-                 tiles_of: Callable[[list[int]], int] | None = None, tiled_alone: bool = False,
-                 flat_tiles: bool = False):
+                 tiles_of: Callable[[list[int]], int] | None = None, family=None):
         self.processor, self.image_token_id = processor, image_token_id
         # LLaVA-OneVision: an image is tiled only alone in its prompt; the processor tells by sample, so a
         # prompt's images go to it as one sample (as transformers' chat template passes a conversation's)
-        self.tiled_alone = tiled_alone
+        self.tiled_alone = family is not None and family.tiled_alone
         # InternVL: every image's tiles in one flat batch, image_seq_length tokens a tile
-        self.tile_tokens = getattr(processor, "image_seq_length", None) if flat_tiles else None
+        self.tile_tokens = processor.image_seq_length if family is not None and family.flat_tiles else None
         # an image's own tiles from its size (LLaVA-NeXT, whose processor pads a request's images to its
         # most tiles): what its model takes of them, so that its pixels and key are its own alone
         self.tiles_of = tiles_of
@@ -258,10 +257,7 @@ class ImagePrompts:
                                          patch_size=config.vision_config.image_size)
         from server.engine.multimodal import image_family
 
-        family = image_family(config)
-        return cls(load_processor(model_dir), config.image_token_id, span, tiles_of,
-                   tiled_alone=family is not None and family.tiled_alone,
-                   flat_tiles=family is not None and family.flat_tiles)
+        return cls(load_processor(model_dir), config.image_token_id, span, tiles_of, image_family(config))
 
     @property
     def chat_template(self) -> str | None:

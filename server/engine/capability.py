@@ -71,12 +71,12 @@ def check_servable(config, model_class=None) -> None:
     from loaders.skeleton import image_text_only
     from server.engine.multimodal import SERVED_IMAGE_TEXT_MODEL_TYPES
 
-    if image_text_only(config) and config.model_type not in SERVED_IMAGE_TEXT_MODEL_TYPES:
+    takes_images = image_text_only(config)
+    if takes_images and config.model_type not in SERVED_IMAGE_TEXT_MODEL_TYPES:
         raise UnsupportedModelError(
             architecture, "its images are not computed by the engine: the image-text families served are "
             f"{', '.join(sorted(SERVED_IMAGE_TEXT_MODEL_TYPES))} (video is not yet)")
-    vision = getattr(config, "vision_config", None)
-    if image_text_only(config) and getattr(vision, "model_type", None) == "pixtral":
+    if takes_images and getattr(getattr(config, "vision_config", None), "model_type", None) == "pixtral":
         raise UnsupportedModelError(
             architecture, "its Pixtral vision tower is not served yet (transformers builds Pixtral's processor only "
             "with torchvision, so its images' rows among [IMG_BREAK] markers are untested here)")

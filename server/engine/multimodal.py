@@ -198,10 +198,8 @@ class ImageEncoder:
         pixels = _stack([pixel_tensor(images[i]) for i in order]).to(self.device)
         rows = self._features(pixels, [images[i].grid for i in order], [images[i].count for i in order],
                               samples=samples)
-        out: list[torch.Tensor | None] = [None] * len(images)
-        for i, features in zip(order, rows):
-            out[i] = features if out[i] is None else out[i]
-        return out
+        placed = dict(zip(order[:len(images)], rows))  # the repeated image's second rows dropped
+        return [placed[i] for i in range(len(images))]
 
     def _features(self, pixels: torch.Tensor, grids: list[list[int]], counts: list[int] | None,
                   masks: torch.Tensor | None = None, samples: list[int] | None = None) -> list[torch.Tensor]:
