@@ -220,8 +220,8 @@ def _save_with_newline(model_class, config, path, seed: int, max_shard_size) -> 
 
 
 # LLaVA-OneVision: SigLIP's every patch feature (no CLS), the tiles of an image alone in its prompt at
-# the best of these sizes, pooled back to at most ``ONEVISION_MAX_TILES`` tiles' features
-# (``anyres_max_1``: a 2x2 tiling is interpolated to one tile's 2x2 rows, as 3x3 of anyres_max_9 would be)
+# the best of these sizes, pooled back to at most one tile's features (``anyres_max_1``: a 2x2 tiling is
+# interpolated to one tile's 2x2 rows, as 3x3 of anyres_max_9 would be to 9 tiles')
 ONEVISION_PINPOINTS = [[28, 56], [56, 28], [56, 56]]
 ONEVISION_ASPECT = "anyres_max_1"
 
@@ -249,15 +249,22 @@ def write_llava_onevision_checkpoint(path, *, seed: int = 0, max_shard_size="40K
         pad_token_id=0,
     )
     path = _save_with_newline(LlavaOnevisionForConditionalGeneration, config, path, seed, max_shard_size)
-    # its processor as its parts (transformers builds LlavaOnevisionProcessor's video processor only
-    # with torchvision): server.api.media.load_processor assembles it from them and these settings
+    save_processor_parts(path, image_processor, tok, "LlavaOnevisionProcessor", num_image_tokens=IMAGE_TOKENS_PER_IMAGE,
+                         vision_feature_select_strategy="full", vision_aspect_ratio=ONEVISION_ASPECT,
+                         image_token=IMAGE_TOKEN)
+    return path
+
+
+def save_processor_parts(path: str, image_processor, tok, processor_class: str | None = None, **settings) -> None:
+    """A processor saved as its parts, as the hub ships those whose video processor transformers
+    builds only with torchvision: the image processor, the tokenizer and, with ``processor_class``,
+    ``processor_config.json`` holding the processor's own ``settings``
+    (:func:`server.api.media.load_processor` assembles it from them)."""
     image_processor.save_pretrained(path)
     tok.save_pretrained(path)
-    with open(os.path.join(path, "processor_config.json"), "w") as f:
-        json.dump({"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": IMAGE_TOKENS_PER_IMAGE,
-                   "vision_feature_select_strategy": "full", "vision_aspect_ratio": ONEVISION_ASPECT,
-                   "image_token": IMAGE_TOKEN}, f)
-    return path
+    if processor_class is not None:
+        with open(os.path.join(path, "processor_config.json"), "w") as f:
+            json.dump({"processor_class": processor_class, **settings}, f)
 
 
 INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
@@ -298,12 +305,7 @@ def write_internvl_checkpoint(path, *, seed: int = 0, max_shard_size="40KB") -> 
             linear.weight.normal_(0.0, PROJECTOR_STD)
     path = str(path)
     model.save_pretrained(path, max_shard_size=max_shard_size)
-    # its processor as its parts (transformers builds InternVLProcessor's video processor only with
-    # torchvision): server.api.media.load_processor assembles it from them and these settings
-    image_processor.save_pretrained(path)
-    tok.save_pretrained(path)
-    with open(os.path.join(path, "processor_config.json"), "w") as f:
-        json.dump({"processor_class": "InternVLProcessor", "image_seq_length": seq}, f)
+    save_processor_parts(path, image_processor, tok, "InternVLProcessor", image_seq_length=seq)
     return path
 
 
@@ -383,10 +385,7 @@ def write_idefics3_checkpoint(path, model_type: str = "idefics3", *, seed: int =
         Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=4,
                           chat_template=CHAT_TEMPLATE).save_pretrained(path)
     else:  # SmolVLMProcessor wants a video processor (torchvision): its parts, as the hub ships them
-        image_processor.save_pretrained(path)
-        tok.save_pretrained(path)
-        with open(f"{path}/processor_config.json", "w") as f:
-            f.write('{"image_seq_len": 4, "processor_class": "SmolVLMProcessor"}')
+        save_processor_parts(path, image_processor, tok, "SmolVLMProcessor", image_seq_len=4)
         with open(f"{path}/chat_template.jinja", "w") as f:
             f.write(CHAT_TEMPLATE)
     return path
@@ -475,8 +474,7 @@ def write_qwen_vl_checkpoint(path, model_type: str = "qwen2_vl", *, seed: int = 
     image_processor = Qwen2VLImageProcessorPil(min_pixels=int(QWEN_PIXELS[0] * scale),
                                                max_pixels=int(QWEN_PIXELS[1] * scale), patch_size=patch,
                                                temporal_patch_size=2, merge_size=2)
-    image_processor.save_pretrained(path)
-    tok.save_pretrained(path)
+    save_processor_parts(path, image_processor, tok)
     with open(f"{path}/chat_template.jinja", "w") as f:
         f.write(QWEN_CHAT_TEMPLATE)
     return path
