@@ -13,6 +13,8 @@ import time
 
 import httpx
 
+from tests.warm_launcher import WarmLauncher
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -57,16 +59,21 @@ class ServerProcess:
         self.log_path = log_path
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+        warm = None
         if argv is None:
             model = ["--model", str(model_dir)] if model_dir is not None else []  # None: the default model
-            argv = [sys.executable, "-m", "server", *model, "--nproc-per-node", str(nproc),
-                    "--device", "cpu", "--port", str(self.port), *extra_args]
-        self.proc = subprocess.Popen(
-            argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-            # a session of its own: session_pids finds every process it started (the ranks run in
-            # process groups of their own, and die with the launcher)
-            start_new_session=True,
-        )
+            args = [*model, "--nproc-per-node", str(nproc), "--device", "cpu", "--port", str(self.port), *extra_args]
+            argv = [sys.executable, "-m", "server", *args]
+            warm = WarmLauncher.for_env(REPO, env)
+        if warm is not None:  # a fork of the session's warm parent: the same process tree, no imports
+            self.proc = warm.launch(args, env, REPO, str(log_path) if log_path else None)
+        else:
+            self.proc = subprocess.Popen(
+                argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                # a session of its own: session_pids finds every process it started (the ranks run in
+                # process groups of their own, and die with the launcher)
+                start_new_session=True,
+            )
         self.client = httpx.Client(base_url=self.url, timeout=60)
 
     def poll_ready(self, timeout: float = 180) -> list[tuple[int, dict]]:

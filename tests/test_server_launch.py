@@ -204,3 +204,33 @@ def test_a_forked_rank_sees_the_launchers_environment_and_the_agents_variables(m
     monkeypatch.setattr(os, "environ", unforked)
     forkserver.apply_launcher_environment({"RANK": "9", "SET": "y", "NEW": "z"})
     assert unforked == {"RANK": "0", "SET": "x", "NEW": "z"}
+
+
+def test_the_tests_warm_launcher_starts_what_python_m_server_starts(model_dir, tmp_path):
+    """tests/warm_launcher.py: a launch forked from the warm parent makes the process tree
+    ``python -m server`` makes (launcher, fork server, ranks, in a session of their own) and passes
+    on its exit status; a launch in another environment (beyond ``HSDP_*``) starts cold."""
+    from tests.warm_launcher import LaunchedServer, WarmLauncher
+
+    with ServerProcess(model_dir, log_path=tmp_path / "warm.log") as server:
+        assert isinstance(server.proc, LaunchedServer), "the warm launcher is off"
+        sid = os.getsid(server.proc.pid)
+        assert sid == server.proc.pid
+        titles = sorted(_title(pid) for pid in session_pids(sid))
+        assert server.client.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}}).is_success
+    assert server.proc.returncode == 0 and wait_session_gone(sid) == []
+    assert [t for t in titles if t.startswith("hsdp-serve")] == [
+        "hsdp-serve fork server (ranks start here)", "hsdp-serve launcher (2 ranks)", "hsdp-serve rank 0/2",
+        "hsdp-serve rank 1/2"], titles
+    bad = ServerProcess(model_dir, log_path=tmp_path / "bad.log", extra_args=("--resident-units", "many"))
+    assert isinstance(bad.proc, LaunchedServer) and bad.proc.wait(60) == 2
+    assert "--resident-units" in bad.log_tail()
+    bad.stop()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    assert WarmLauncher.for_env(REPO, {**env, "HSDP_ANYTHING": "1"}) is not None
+    assert WarmLauncher.for_env(REPO, {**env, "HF_HUB_OFFLINE": "0" if env.get("HF_HUB_OFFLINE") == "1" else "1"}) is None
+
+
+def _title(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode().strip()

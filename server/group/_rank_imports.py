@@ -18,19 +18,4 @@ except ImportError:
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 die_with_parent()
 
-# What a rank imports before its first tensor, heaviest first: torch, the config and the loaders
-# (server.main); transformers' models (the masking utilities bring torch._dynamo); the HTTP stack
-# rank 0 serves with; the engine and the group's control.
-import server.main  # noqa: E402,F401
-import transformers  # noqa: E402,F401
-import transformers.masking_utils  # noqa: E402,F401
-import transformers.modeling_utils  # noqa: E402,F401
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402,F401
-
-import loaders  # noqa: E402,F401
-import server.engine  # noqa: E402,F401
-import server.group.control  # noqa: E402,F401
-import server.group.lifecycle  # noqa: E402,F401
-import server.http.app  # noqa: E402,F401
-import server.http.listener  # noqa: E402,F401
-import shard_engine  # noqa: E402,F401
+import server.group.rank_modules  # noqa: E402,F401

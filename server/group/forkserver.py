@@ -24,7 +24,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker, util
 
 PRELOAD = "server.group._rank_imports"
 """The module the fork server imports before it forks a rank."""
@@ -49,9 +49,63 @@ def start(argv: list[str] | None = None) -> None:
 
 
 def ensure_running() -> None:
-    """The fork server, started with its imports if it is not running (a no-op if it is)."""
+    """The fork server, started with its imports if it is not running (a no-op if it is): a fresh
+    interpreter, or a fork of this process after :func:`fork_from_this_process`."""
     multiprocessing.set_forkserver_preload([PRELOAD])
-    forkserver.ensure_running()
+    if not _FORK_THIS_PROCESS:
+        forkserver.ensure_running()
+        return
+    resource_tracker.ensure_running()  # the fork server's own first step, as a fresh interpreter
+    spawn = util.spawnv_passfds
+    util.spawnv_passfds = _fork_passfds  # what forkserver.ensure_running starts it with
+    try:
+        forkserver.ensure_running()
+    finally:
+        util.spawnv_passfds = spawn
+
+
+_FORK_THIS_PROCESS = False
+
+
+def fork_from_this_process() -> None:
+    """This process has imported :mod:`server.group.rank_modules` and computed nothing since (a warm
+    parent that forked it, as the tests' launcher does: ``tests/warm_launcher.py``): the fork server
+    it starts is a fork of it, which has nothing left to import, instead of a fresh interpreter
+    that spends seconds importing the same modules. Call it before :func:`start`."""
+    global _FORK_THIS_PROCESS
+    if "server.group.rank_modules" not in sys.modules:
+        raise RuntimeError("fork_from_this_process: server.group.rank_modules is not imported")
+    _FORK_THIS_PROCESS = True
+
+
+def _fork_passfds(path: str, args: list[str], passfds) -> int:
+    """``util.spawnv_passfds`` for the fork server, by fork: the child keeps only
+    stdin, stdout, stderr and ``passfds`` and runs the command the fork server's ``-c`` carries
+    (``multiprocessing.forkserver.main``, whose preload, :data:`PRELOAD`, then only runs its
+    first lines: the rest is imported)."""
+    command = args[args.index("-c") + 1]
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        keep = {0, 1, 2, *passfds}
+        for fd in map(int, os.listdir("/proc/self/fd")):  # as the interpreter it replaces: none of the
+            if fd not in keep:  # launcher's files (the alive pipe's write end would keep it waiting)
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        exec(command, {"__name__": "__hsdp_fork_server__"})  # noqa: S102 - multiprocessing's own command
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0
+    except BaseException:  # noqa: BLE001 - reported, then this process ends
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
 
 
 _FORK_SERVER: tuple[int, dict[str, str]] | None = None
