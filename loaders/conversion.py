@@ -145,6 +145,8 @@ QUANTIZED_COMPANIONS = {
     "_scale_inv": {"_fp8": ".weight", "_scale_inv": ".weight_scale_inv"},
     "_packed_scale": {"_packed": ".weight_packed", "_packed_scale": ".weight_scale", "_packed_shape": ".weight_shape",
                       "_packed_zero_point": ".weight_zero_point"},  # zero points: asymmetric only
+    "_quantized_scale": {"_quantized": ".weight", "_quantized_scale": ".weight_scale",
+                         "_quantized_zero_point": ".weight_zero_point"},  # int8, fp8 by channel or tensor
     "_g_idx": {"_qweight": ".qweight", "_qzeros": ".qzeros", "_scales": ".scales", "_g_idx": ".g_idx"},  # GPTQ
     "_qzeros": {"_qweight": ".qweight", "_qzeros": ".qzeros", "_scales": ".scales"},  # AWQ
 }

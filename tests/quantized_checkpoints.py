@@ -364,38 +364,56 @@ def write_compressed_w4a16(path, *, base=None, group_size=32, symmetric=True, se
     return _write_compressed(path, base, seed, scheme, max_shard_size, ignore_extra=indivisible)
 
 
-def write_compressed_experts(path, *, base, num_bits=4, group_size=16, symmetric=True,
-                             max_shard_size=DEFAULT_SHARD) -> str:
-    """A MoE checkpoint as llm-compressor's W4A16 (``num_bits`` 4) or W8A16 (8) writes Qwen3-MoE's and
-    DeepSeek's: compressed-tensors ``pack-quantized``, symmetric (W4A16_ASYM's zero points where not),
-    ``group_size`` (None: per channel),
-    every projection of a block quantized under its per-expert names (``experts.{e}.gate_proj.
-    weight_packed``, ``weight_scale``, ``weight_shape``) by compressed-tensors' own compressor; the
-    router, norms, embeddings and ``lm_head`` stay float32 (``ignore``). ``base``: a MoE checkpoint in
-    the Hub's per-expert layout."""
+def write_compressed_experts(path, *, base, num_bits=4, group_size=16, symmetric=True, kind="pack-quantized",
+                             strategy=None, max_shard_size=DEFAULT_SHARD) -> str:
+    """A MoE checkpoint as llm-compressor writes Qwen3-MoE's and DeepSeek's, each expert's projections
+    under their own names (``experts.{e}.gate_proj.<tensor>``), compressed by compressed-tensors' own
+    compressor; the router, norms, embeddings and ``lm_head`` stay float32 (``ignore``). ``base``: a
+    MoE checkpoint in the Hub's per-expert layout. ``kind``:
+
+    * ``pack-quantized``: W4A16 (``num_bits`` 4) or W8A16 (8), symmetric (W4A16_ASYM's zero points
+      where not), ``group_size`` (None: per channel); every projection of a block.
+    * ``int-quantized``: W8A8 (int8 weights per channel, ``symmetric`` or not, dynamic per-token
+      int8 activations); ``float-quantized``: FP8_DYNAMIC (e4m3 weights per ``strategy``, channel
+      or tensor, dynamic per-token fp8 activations). The experts' projections only: attention stays
+      float32 (``ignore``), so that the dense checkpoint of the dequantized weights is the reference
+      of a model whose experts run weight-only."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme, \
         QuantizationStatus
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    weights = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, dynamic=False,
-                               strategy="group" if group_size else "channel", group_size=group_size)
-    scheme = QuantizationScheme(targets=["Linear"], weights=weights, format="pack-quantized")
-    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    ignore = ["lm_head", "re:.*mlp.gate$"]
+    if kind == "pack-quantized":
+        weights = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, dynamic=False,
+                                   strategy="group" if group_size else "channel", group_size=group_size)
+        activations, select = None, _is_any_projection
+    else:
+        number = "float" if kind == "float-quantized" else "int"
+        weights = QuantizationArgs(num_bits=8, type=number, symmetric=symmetric, dynamic=False,
+                                   strategy=strategy or "channel")
+        activations = QuantizationArgs(num_bits=8, type=number, strategy="token", symmetric=True, dynamic=True)
+        ignore.append("re:.*self_attn.*")
+
+        def select(name: str) -> bool:
+            return _is_any_projection(name) and ".experts." in name
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations, format=kind)
+    compressor = BaseCompressor.get_value_from_registry(kind)
 
     def pack(w: torch.Tensor) -> dict[str, torch.Tensor]:
         w = w.t().contiguous()  # [out, in]
         lo, hi = _observe_minmax(w, weights)
         scale, zero_point = calculate_qparams(lo, hi, weights)
-        tensors = {"weight": w, "weight_scale": scale.reshape(w.shape[0], -1)}
+        per_tensor = weights.strategy == "tensor"
+        tensors = {"weight": w, "weight_scale": scale.reshape(1) if per_tensor else scale.reshape(w.shape[0], -1)}
         if not symmetric:
-            tensors["weight_zero_point"] = zero_point.reshape(w.shape[0], -1)
+            tensors["weight_zero_point"] = zero_point.reshape(tensors["weight_scale"].shape)
         return compressor.compress(tensors, scheme)
 
-    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head", "re:.*mlp.gate$"],
-                                format="pack-quantized", quantization_status=QuantizationStatus.COMPRESSED)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore, format=kind,
+                                quantization_status=QuantizationStatus.COMPRESSED)
     quant_config = {"quant_method": "compressed-tensors", **config.model_dump(mode="json", exclude_none=True)}
-    return _write_packed(path, base, 0, max_shard_size, pack, quant_config, select=_is_any_projection)
+    return _write_packed(path, base, 0, max_shard_size, pack, quant_config, select=select)
 
 
 def write_compressed_w8a8(path, *, base=None, seed=0, max_shard_size=DEFAULT_SHARD) -> str:

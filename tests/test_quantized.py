@@ -621,9 +621,10 @@ def test_compressed_tensors_packed_experts_equal_transformers_and_are_sharded_by
         assert got["bytes_read"] < 1.15 * got["checkpoint_bytes"] / mesh[1], got
 
 
-def test_experts_of_a_format_not_served_are_refused_naming_the_tensor():
-    """W8A8 experts (int8 weights, per-token activations: no experts form takes them) stay dense in
-    the skeleton, and their scales are refused before reading, naming the tensor."""
+def test_w8a8_experts_are_taken_and_a_quantized_tensor_no_layer_takes_is_refused_naming_it():
+    """W8A8 experts (int8 weights, per-token activations) are taken as experts computed weight-only
+    (said in their description); an int8 tensor no quantized layer takes (here an embedding stored
+    with a scale) is refused before reading, naming the tensor."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from loaders.errors import CheckpointError
@@ -645,6 +646,44 @@ def test_experts_of_a_format_not_served_are_refused_naming_the_tensor():
     sources = [f"{prefix}.{e}.{p}.weight" for p in ("gate_proj", "up_proj") for e in range(2)]
     stored = {**{s: ((16, 32), torch.int8) for s in sources},
               **{f"{s}_scale": ((16, 1), torch.float32) for s in sources}}
-    assert quantize_linear_experts(model, plan, {f"{prefix}.gate_up_proj": (sources, 2)}, stored) == ({}, set())
-    with pytest.raises(CheckpointError, match=r"experts.0.gate_proj.weight is stored quantized .* belongs to no layer"):
-        check_nothing_else_quantized(model, stored)
+    counts, taken = quantize_linear_experts(model, plan, {f"{prefix}.gate_up_proj": (sources, 2)}, stored)
+    assert counts == {"int-quantized: int8 per channel, int8 activations per token (dynamic) experts, their "
+                      "activations unquantized": 1} and taken == set(stored), (counts, taken)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj_quantized.shape == (2, 32, 32) and experts.gate_up_proj_quantized.dtype == torch.int8
+    assert experts.gate_up_proj_quantized_scale.shape == (2, 32, 1)
+    check_nothing_else_quantized(model, stored, taken=taken)
+    stored["model.embed_tokens.weight"] = ((64, 32), torch.int8)
+    stored["model.embed_tokens.weight_scale"] = ((64, 1), torch.float32)
+    with pytest.raises(CheckpointError, match=r"embed_tokens.weight is stored quantized .* belongs to no layer"):
+        check_nothing_else_quantized(model, stored, taken=taken)
+
+
+@pytest.mark.parametrize("kind,strategy,symmetric,mesh", [("float-quantized", "channel", True, (1, 2)),
+                                                          ("int-quantized", "tensor", False, (2, 2))],
+                         ids=["fp8-dynamic-2-ranks", "w8a8-asymmetric-per-tensor-2x2"])
+def test_int8_and_fp8_experts_are_computed_weight_only_and_sharded_by_experts(tmp_path, kind, strategy, symmetric,
+                                                                             mesh):
+    """llm-compressor's FP8_DYNAMIC and W8A8 of a MoE's experts (attention left dense): e4m3 or int8
+    weights by channel or by tensor (each of gate's and up's its own), asymmetric int8's zero points.
+    transformers cannot load them (its conversion of stacked experts takes packed ones only), and
+    the experts run weight-only (no experts forward takes quantized inputs): greedy output equals the
+    dense checkpoint of the dequantized weights; the experts stay int8 or e4m3, stacked, each rank
+    holding its experts'."""
+    base = write_checkpoint(tmp_path / "base", "qwen3_moe")
+    path = qc.write_compressed_experts(tmp_path / kind, base=base, kind=kind, strategy=strategy, symmetric=symmetric)
+    reference = reference_generate(qc.write_dequantized(tmp_path / "dense", path), max_new_tokens=TOKENS)
+    results = values(run_ranks(_load_packed_experts, mesh[0] * mesh[1], tmp_path, path, mesh,
+                               "gate_up_proj_quantized", timeout=300))
+    experts = 4 // mesh[1]
+    weight = torch.float8_e4m3fn if kind == "float-quantized" else torch.int8
+    scales = (experts, 64, 1) if strategy == "channel" else (experts, 2)
+    for rank, got in enumerate(results):
+        assert got["ids"] == reference, (rank, got["ids"], reference)
+        assert got["stored"]["gate_up_proj_quantized"] == ((experts, 64, 64), weight), got["stored"]
+        assert got["stored"]["gate_up_proj_quantized_scale"][0] == scales, got["stored"]
+        assert got["stored"]["down_proj_quantized"] == ((experts, 64, 32), weight), got["stored"]
+        assert ("down_proj_quantized_zero_point" in got["stored"]) == (not symmetric), got["stored"]
+        [what] = [w for w in got["layers"] if w.endswith("activations unquantized")]
+        assert got["layers"][what] == 2 and what.startswith(kind), got["layers"]
+        assert got["held"]["weights"] > 0 and got["bytes_read"] < 1.15 * got["checkpoint_bytes"] / mesh[1], got

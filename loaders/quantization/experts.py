@@ -1,8 +1,8 @@
 """Quantized fused experts: the checkpoint's tensors as parameters, dequantized where a forward runs.
 
 transformers keeps a MoE layer's experts as fused parameters of one module (``gate_up_proj``
-[E, 2I, H] and ``down_proj`` [E, H, I] for most families; [E, in, out] for gpt-oss). Two formats
-store them quantized:
+[E, 2I, H] and ``down_proj`` [E, H, I] for most families; [E, in, out] for gpt-oss). Checkpoints
+store them quantized as:
 
 * **MXFP4** (gpt-oss): ``<proj>_blocks`` uint8 [experts, out, in/32, 16] (two e2m1 codes a byte,
   the low nibble first) and ``<proj>_scales`` uint8 [experts, out, in/32] (one power of two,
@@ -19,6 +19,11 @@ store them quantized:
   experts' weights and their scales with the same chain as the dense weights (row-local: each
   rank reads its own experts'). The dequantization is transformers' (``Fp8Dequantize``: e4m3
   widened to float32 times the block's scale, then the model's dtype).
+* **Linears of each expert** in any format served for linears but fp8 blocks: compressed-tensors'
+  ``pack-quantized``, ``int-quantized`` and ``float-quantized``, GPTQ and AWQ
+  (:func:`quantize_linear_experts`, :data:`EXPERT_STORAGE`), stacked by experts as stored and
+  dequantized by the format's own code (compressed-tensors' compressors; ours for GPTQ and AWQ).
+  Activations an int8 or fp8 scheme quantizes stay unquantized in the experts.
 
 Either way the new parameters are ordinary parameters of the unit, sharded by their first
 dimension (the experts: each rank reads and holds its experts' quantized tensors, scales whole
@@ -106,6 +111,30 @@ def _dequantized_packed(proj: str):
     return property(weight, doc=f"``{proj}`` of the routed experts, decompressed from their packed codes and scales")
 
 
+def _dequantized_scaled(proj: str):
+    def weight(self) -> torch.Tensor:
+        fmt, names = self.linear_format, EXPERT_STORAGE[self.linear_format.kind]
+        quantized = _routed(self, getattr(self, proj + names["weight"]))
+        experts, rows, columns = quantized.shape
+        # compressed-tensors' own decompression, in one call, as for packed experts: a scale (and zero point)
+        # per row, each part's own (gate's, up's) on its rows where the scheme keeps one per linear
+        tensors = {"weight": quantized.reshape(experts * rows, columns)}
+        for stored in ("weight_scale", "weight_zero_point"):
+            if stored not in names or proj + names[stored] not in self._parameters:
+                continue
+            values = _routed(self, getattr(self, proj + names[stored])).reshape(experts, -1)
+            if values.shape[1] != rows:  # tensor strategy: one a linear, [experts, parts]
+                values = values.repeat_interleave(rows // values.shape[1], dim=1)
+            tensors[stored] = values.reshape(experts * rows, 1)
+        # transformers holds the scales in the model's dtype and dequantizes in it (as QuantizedLinear does)
+        tensors["weight_scale"] = tensors["weight_scale"].to(self.experts_dtype)
+        weight = self.linear_compressor.decompress(tensors, fmt.scheme)["weight"]
+        return weight.reshape(experts, rows, columns).to(self.experts_dtype)
+
+    return property(weight, doc=f"``{proj}`` of the routed experts, dequantized from int8 or fp8 weights and scales "
+                                "(weight-only: their inputs stay in the model's dtype)")
+
+
 def _dequantized_linears(proj: str):
     def weight(self) -> torch.Tensor:
         from loaders.quantization.storage import dequantize_stored
@@ -181,7 +210,7 @@ def _quantized_class(cls: type, kind: str, projections: tuple[str, ...], biases:
     if key not in _SUBCLASSES:
         name = f"{kind}{cls.__name__}" + ("" if projections == FUSED_PROJECTIONS else "_" + "_".join(projections))
         getter = {"MXFP4": _dequantized_mxfp4, "FP8": _dequantized_fp8, "Packed": _dequantized_packed,
-                  "GPTQ": _dequantized_linears, "AWQ": _dequantized_linears}[kind]
+                  "Scaled": _dequantized_scaled, "GPTQ": _dequantized_linears, "AWQ": _dequantized_linears}[kind]
         subclass = type(name, (cls,), {**{p: getter(p) for p in projections}, **{b: _routed_bias(b) for b in biases},
                                        "forward": _routed_forward(cls.forward), "__module__": __name__})
         # importable by name, as pickle finds classes (compiled graphs saved to disk name their modules' classes)
@@ -302,6 +331,9 @@ def quantize_fp8_experts(model: nn.Module, fused: dict[str, tuple[list[str], int
 
 
 EXPERT_STORAGE = {
+    "int-quantized": {"weight": "_quantized", "weight_scale": "_quantized_scale",
+                      "weight_zero_point": "_quantized_zero_point"},
+    "float-quantized": {"weight": "_quantized", "weight_scale": "_quantized_scale"},
     "pack-quantized": {"weight_packed": "_packed", "weight_scale": "_packed_scale", "weight_shape": "_packed_shape",
                        "weight_zero_point": "_packed_zero_point"},
     "gptq": {"qweight": "_qweight", "qzeros": "_qzeros", "scales": "_scales", "g_idx": "_g_idx"},
@@ -324,7 +356,10 @@ def quantize_linear_experts(model: nn.Module, plan, fused: dict[str, tuple[list[
     are quantized linears, each expert's under its own name, for their stored tensors stacked by
     experts (:data:`EXPERT_STORAGE`): compressed-tensors ``pack-quantized`` (llm-compressor's
     W4A16 / W8A16 of Qwen3-MoE, DeepSeek, ...: ``<proj>_packed`` int32 codes, ``_packed_scale``,
-    ``_packed_shape``), GPTQ and AWQ (GPTQModel's and AutoAWQ's MoE checkpoints: ``<proj>_qweight``,
+    ``_packed_shape``), ``int-quantized`` and ``float-quantized`` (W8A8 INT8, FP8_DYNAMIC, FP8
+    weight-only: ``<proj>_quantized`` int8 or e4m3, ``_quantized_scale`` by channel or tensor,
+    INT8's zero points where asymmetric; computed weight-only, their inputs unquantized, as vLLM's
+    Marlin kernels run FP8 checkpoints on GPUs without FP8), GPTQ and AWQ (GPTQModel's and AutoAWQ's MoE checkpoints: ``<proj>_qweight``,
     ``_qzeros``, ``_scales``, GPTQ's ``_g_idx``). Gate's and up's tensors are concatenated along each
     expert's first dimension, whatever it means for the format (rows for pack-quantized, packed
     inputs or groups for GPTQ and AWQ): a forward splits them back into parts.
@@ -398,12 +433,19 @@ def quantize_linear_experts(model: nn.Module, plan, fused: dict[str, tuple[list[
         module.linear_format, module.linear_parts, module.linear_columns, module.linear_rows = \
             fmt, parts_of, columns_of, rows_of
         kind = fmt.kind.upper()
+        what = f"{fmt.describe()} experts"
         if fmt.kind == "pack-quantized":
             from compressed_tensors.compressors import BaseCompressor
 
             module.packed_compressor = BaseCompressor.get_value_from_registry(fmt.kind)  # resolved once
             kind = "Packed"
+        elif fmt.kind in ("int-quantized", "float-quantized"):
+            from compressed_tensors.compressors import BaseCompressor
+
+            module.linear_compressor = BaseCompressor.get_value_from_registry(fmt.kind)
+            kind = "Scaled"
+            if fmt.scheme.input_activations is not None:  # no experts forward takes quantized inputs
+                what = f"{fmt.describe()} experts, their activations unquantized"
         module.__class__ = _quantized_class(type(module), kind, tuple(projections), _expert_biases(module))
-        what = f"{fmt.describe()} experts"
         counts[what] = counts.get(what, 0) + 1
     return counts, taken

@@ -232,8 +232,8 @@ def check_nothing_else_quantized(model: nn.Module, stored: dict[str, tuple[tuple
             continue
         if dtype in QUANTIZED_DTYPES or name.rpartition(".")[2] in QUANTIZED_SUFFIXES:
             raise CheckpointError(f"{name} is stored quantized ({dtype}) but belongs to no layer the server "
-                                  "dequantizes (of experts, MXFP4, fp8 blocks, weight-only pack-quantized, "
-                                  "GPTQ and AWQ are served; other non-Linear weights are not)",
+                                  "dequantizes (of experts, MXFP4, fp8 blocks, compressed-tensors' pack-, int- and "
+                                  "float-quantized, GPTQ and AWQ are served; other non-Linear weights are not)",
                                   path=path, tensor=name)
 
 
@@ -252,6 +252,6 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
             p = getattr(module, name)
             local = p.to_local() if isinstance(p, DTensor) else p
             key = "weights" if name in ("weight", "weight_packed", "qweight") or name.endswith(
-                ("_blocks", "_fp8", "_packed", "_qweight")) else "scales"
+                ("_blocks", "_fp8", "_packed", "_qweight", "_quantized")) else "scales"
             out[key] += local.numel() * local.element_size()
     return out
