@@ -34,6 +34,16 @@ def deep_tiny_checkpoint(out_dir: str | None = None) -> str:
                              num_attention_heads=2, num_key_value_heads=2, max_shard_size="2MB", dtype=torch.float32)
 
 
+def deep_tiny_bloom_checkpoint(out_dir: str | None = None) -> str:
+    """:func:`deep_tiny_checkpoint`'s shape as a Bloom (24 layers of hidden 64, 2 heads of 32; its MLP
+    4x the hidden size): ALiBi through the attention adapter (``server.engine.adapters``), whose
+    step, eager or compiled, is nearly all host time as the tiny Llama's is."""
+    from transformers import BloomConfig
+
+    return _checkpoint(out_dir or "bench-bloom-24x64-v1", BloomConfig, max_shard_size="2MB", dtype=torch.float32,
+                       hidden_size=64, n_layer=24, n_head=2)
+
+
 def mla_checkpoint(out_dir: str | None = None) -> str:
     """A DeepSeek-V3-shaped model of :data:`PAIR_SHAPE`: latent 128 + rope key 32 cached a token a
     layer (160 values), a low-rank query (384), heads of 64 + 32 and values of 64; dense layers only

@@ -16,9 +16,7 @@ from tests.dist import run_ranks, values
 from tests.server_process import REPO
 from tests.test_families import SERVED, STATEFUL
 
-NOT_COMPILED = {"deepseek_v2": "rope is complex-valued", "bloom": "an adapter", "mpt": "an adapter",
-                "falcon": "an adapter", "falcon_40b": "an adapter", "falcon_rw": "an adapter",
-                **{family: "per-sequence state" for family in STATEFUL}}
+NOT_COMPILED = {"deepseek_v2": "rope is complex-valued", **{family: "per-sequence state" for family in STATEFUL}}
 """Served families ``--compile decode`` refuses, and the refusal's words: DeepSeek-V2's complex
 frequencies (``view_as_complex``) make inductor specialize a layer's graph to one step size."""
 SERVED_FAMILIES = [f for f in SERVED if f not in NOT_COMPILED]

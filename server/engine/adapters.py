@@ -44,14 +44,18 @@ import sys
 import torch
 from torch import nn
 
-from server.engine.attention import PagedKVCache, paged_attention
+from server.engine.attention import LayerPools, PagedKVCache, paged_attention
 
 ADAPTED_MODEL_TYPES = frozenset({"bloom", "mpt", "falcon"})
 """Model types whose attention modules :func:`install` adapts to the paged engine."""
+POOLS_KEYWORD = "hsdp_pools_keyword"
+"""The attribute :func:`install` sets on a decoder layer holding an adapted attention: the keyword
+its forward passes the cache down by (these blocks keep their other keywords from the attention, so
+a compiled layer's pools go down in place of the cache: ``server.engine.compiled``)."""
 
 
 def _paged(cache) -> bool:
-    return isinstance(cache, PagedKVCache) and cache.layout is not None
+    return isinstance(cache, (PagedKVCache, LayerPools)) and cache.layout is not None
 
 
 def _slopes(module: nn.Module, make) -> torch.Tensor:
@@ -138,8 +142,8 @@ class _PagedFalconAttention:
             key, value = (t.unflatten(2, (self.num_kv_heads, groups))[:, :, :, 0] for t in (key, value))
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
         slopes = None
-        if alibi is None:
-            cos, sin = position_embeddings
+        if not self.config.alibi:  # the config's, not the model's bias tensor (sized by the step: a compiled
+            cos, sin = position_embeddings  # layer's graph would specialize on it)
             query, key = falcon.apply_rotary_pos_emb(query, key, cos, sin)
         else:  # Falcon-RW: bfloat16 slopes, the engine's sign for the model's rounded bias (server.engine.kernels)
             def make() -> torch.Tensor:  # a 2-token context's bias [heads, 1, 2] = (0, bf16(slope))
@@ -202,4 +206,7 @@ def install(model: nn.Module) -> int:
             mpt.create_causal_mask = _placeholder_mask_for_paged(mpt.create_causal_mask)
         module.__class__ = _adapted_class(cls)
         count += 1
+    for block in model.modules():  # Bloom's, MPT's and Falcon's blocks pass the cache as layer_past
+        if any(type(child) in _CLASSES.values() for child in block.children()):
+            setattr(block, POOLS_KEYWORD, "layer_past")
     return count

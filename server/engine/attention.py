@@ -267,6 +267,19 @@ class PagedKVCache:
         return query_length, 0  # (a model that sizes a bias by it: its attention adapter ignores the bias)
 
 
+class LayerPools:
+    """One layer's pools with the step's layout, in place of the cache, for a decoder layer that does
+    not pass its keywords down to its attention (the adapted families' blocks:
+    :mod:`server.engine.adapters`): a compiled layer's graph gets its pools as an input
+    (:data:`LAYER_POOLS`) as every layer's does, and its attention writes them through :meth:`update`."""
+
+    def __init__(self, layout: PagedLayout, pools: tuple[torch.Tensor, torch.Tensor]):
+        self.layout, self.pools = layout, pools
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return _write_step(layer_idx, self.layout, key_states, value_states, *self.pools)
+
+
 def _write_latent_step(layer, layout: PagedLayout, key_states, keys, value_dim: int):
     """An MLA layer's step ([1, 1, T, d]: latents and rope keys side by side) into its one pool;
     returns the pool and its values (its first ``value_dim``: the latents), a view."""

@@ -65,7 +65,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from server.engine.attention import LAYER_POOLS, one_decode_inline, step_layout, whole_step_op
+from server.engine.adapters import POOLS_KEYWORD
+from server.engine.attention import LAYER_POOLS, LayerPools, one_decode_inline, step_layout, whole_step_op
 from server.engine.cores import threads_inside
 from server.engine.linears import plain_forwards
 
@@ -139,7 +140,12 @@ def import_compiler_in_background(device_type: str) -> threading.Thread:
 
 def _layer_forward(layer: nn.Module, *args, **kwargs):
     """A decoder layer's own forward, its class's (the instance's is :class:`_CompiledLayers`'s
-    wrapper around this, compiled)."""
+    wrapper around this, compiled). A layer whose forward keeps its keywords from its attention
+    (:data:`server.engine.adapters.POOLS_KEYWORD` names its cache's keyword) gets its pools in
+    place of the cache (:class:`server.engine.attention.LayerPools`)."""
+    keyword = getattr(layer, POOLS_KEYWORD, None)
+    if keyword is not None and LAYER_POOLS in kwargs:
+        kwargs[keyword] = LayerPools(kwargs[keyword].layout, kwargs.pop(LAYER_POOLS))
     return type(layer).forward(layer, *args, **kwargs)
 
 
@@ -412,7 +418,6 @@ class CompiledDecode:
     :class:`server.config.CompileSizes`."""
 
     def __init__(self, model: nn.Module, sizes, region: str = "layer", graph_dir: str | None = None):
-        from server.engine.adapters import adapted
         from shard_engine.direct import DirectForward
 
         from server.engine.state import stateful
@@ -420,10 +425,6 @@ class CompiledDecode:
         if stateful(model):
             raise CompileUnavailable("--compile decode: the model's layers carry per-sequence state "
                                      "(server.engine.state), whose modules run eagerly; serve it without --compile")
-        if adapted(model):
-            raise CompileUnavailable("--compile decode: the model's attention runs through an adapter "
-                                     "(server.engine.adapters: Bloom, MPT, Falcon), which is not compiled; serve it "
-                                     "without --compile")
         try:
             self._direct = DirectForward(model)
         except ValueError as e:
