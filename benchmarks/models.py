@@ -44,6 +44,18 @@ def deep_tiny_bloom_checkpoint(out_dir: str | None = None) -> str:
                        hidden_size=64, n_layer=24, n_head=2)
 
 
+def deep_tiny_lfm2_checkpoint(out_dir: str | None = None) -> str:
+    """:func:`deep_tiny_checkpoint`'s shape as an LFM2 hybrid: of its 24 layers, two short
+    convolutions (a state slot per sequence: ``server.engine.state``) to one attention layer, as
+    LFM2's own 10 of 16; its step, eager or compiled, is nearly all host time."""
+    from transformers import Lfm2Config
+
+    layer_types = ["conv", "conv", "full_attention"] * 8
+    return _checkpoint(out_dir or "bench-lfm2-24x64-v1", Lfm2Config, max_shard_size="2MB", dtype=torch.float32,
+                       hidden_size=64, intermediate_size=128, num_hidden_layers=24, num_attention_heads=2,
+                       num_key_value_heads=2, layer_types=layer_types)
+
+
 def mla_checkpoint(out_dir: str | None = None) -> str:
     """A DeepSeek-V3-shaped model of :data:`PAIR_SHAPE`: latent 128 + rope key 32 cached a token a
     layer (160 values), a low-rank query (384), heads of 64 + 32 and values of 64; dense layers only

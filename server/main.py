@@ -317,7 +317,9 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
     # keeps that many state slots, out of the KV cache's budget (server.engine.state)
     max_sequences = _group_share(cfg.max_concurrent_requests, len(_step_groups(mesh_shape, residency)))
     states_per_sequence = state_shapes(loaded.model) if is_stateful_config(loaded.config) else None
-    state_bytes = max_sequences * bytes_per_sequence(states_per_sequence) if states_per_sequence else 0
+    # (--compile decode: one more, the padding rows' scratch slot: StatePool.add_scratch_slot)
+    slots = max_sequences + (cfg.compile == "decode")
+    state_bytes = slots * bytes_per_sequence(states_per_sequence) if states_per_sequence else 0
     available = size_kv_pool(cfg.kv_cache_memory, geometry, cfg.kv_block_size, device, state_bytes=state_bytes)
     # every rank, once; also the barrier between measuring free memory and allocating the pools
     per_rank = wire.all_gather([loaded.stats.bytes_read, extra, available])
@@ -484,6 +486,7 @@ def _check_before_launch(cfg: ServeConfig, source) -> None:
     from loaders.checkpoint import load_config
     from server.api.openai.chat import read_chat_template
     from server.engine.capability import check_servable
+    from server.engine.state import is_stateful_config
     from server.group.process_group import is_under_torchrun, resolve_nproc_per_node
 
     from loaders.quantization import quantization_plan
@@ -495,6 +498,10 @@ def _check_before_launch(cfg: ServeConfig, source) -> None:
 
     if cfg.compile == "decode" and cfg.resident_units == 0:
         raise ValueError("--compile decode needs every unit resident: --resident-units 0 gathers them every step")
+    if cfg.compile == "decode" and cfg.compile_region == "layer" and is_stateful_config(model_config):
+        raise ValueError(f"--compile decode: {model_config.model_type}'s layers carry per-sequence state "
+                         "(server.engine.state), which the layers' shared graphs do not take; --compile-region "
+                         "model compiles its decode steps")
     cfg.nproc_per_node = resolve_nproc_per_node(cfg.nproc_per_node, resolve_device_type(cfg.device))
     if not is_under_torchrun():
         cfg.mesh_config(cfg.nproc_per_node, cfg.nproc_per_node).resolve_mesh_shape(cfg.nproc_per_node)

@@ -132,6 +132,8 @@ def _decode_eager_and_compiled(rank, world_size, paths, region):
                 got["graphs_compiled"] = compiled.graphs_compiled
                 got["every_step_fit_a_graph"] = compiled.skip_guards  # off after a step that fit none
                 got["steps"] = harness.steps
+                if harness.engines[0].states is not None:  # the probes' steps by hand carry no state slots
+                    continue
                 got["at_plan_threads"] = _a_call_at(harness.engines[0], compiled, own + 1)
                 got["fallback"] = _a_call_no_graph_fits(harness.engines[0], compiled)
                 last = harness.submit(prompts[3], 3)  # the engine's compiled steps put the graphs' count back
@@ -221,6 +223,61 @@ def test_compiled_decode_equals_eager_token_for_token(tmp_path, region):
             own = got["at_plan_threads"]["entered_at"] - (region == "layer")
             assert got["at_plan_threads"] == {"entered_at": own + (region == "layer"), "switches": region == "model",
                                               "compiled": 0, "every_step_fit_a_graph": True}, (family, got)
+
+
+def test_compiled_decode_of_a_stateful_model_equals_eager_on_2_ranks(tmp_path):
+    """LFM2 (short convolutions beside attention layers: a state slot per sequence) sharded over 2
+    ranks, ``--compile-region model`` under ``1,2,4+``: greedy tokens equal eager's, most decode
+    steps compiled (a batch of 3 padded to 4, its padding row's states in the pool's scratch slot,
+    nobody's), nothing compiled after the warm-up; the steps that carry a prompt chunk, or a
+    sequence's first state, run eagerly."""
+    from tests.test_families import _write
+
+    paths = {"lfm2": _write("lfm2", tmp_path / "lfm2")}
+    for by_family in values(run_ranks(_decode_eager_and_compiled, 2, tmp_path, paths, "model", timeout=600)):
+        got = by_family["lfm2"]
+        assert got["errors"] == [None] * 5 and got["compiled"] == got["eager"], got
+        assert got["compiled_after_warm_up"] == 0 and got["graphs_compiled"] == 3, got
+        assert got["compiled_steps"] > got["steps"] // 2 and got["padded_rows"] > 0, got
+        assert {1, 2, 4, 5} <= set(got["batches"]) and got["every_step_fit_a_graph"], got
+
+
+STATEFUL_COMPILED = ["qwen3_next", "falcon_h1", "mamba", "jamba"]
+"""Stateful families compiled in process (``--compile-region model``): gated delta-net beside
+attention and experts; attention and Mamba2 in one layer; Mamba-1 alone, and beside attention and
+experts. LFM2 on 2 ranks above; every served stateful family was checked once by hand."""
+
+
+@pytest.fixture(scope="module")
+def stateful_compiled() -> dict:
+    """{family: :func:`_layer_region_family` in the model region} for :data:`STATEFUL_COMPILED`, in
+    two processes at once (as :func:`every_family_compiled`)."""
+    import concurrent.futures
+    import multiprocessing
+
+    from tests.dist import PRELOAD
+
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("forkserver")) as pool:
+        futures = [pool.submit(_families_in_process, half, "model") for half in (STATEFUL_COMPILED[0::2],
+                                                                                 STATEFUL_COMPILED[1::2])]
+        results = {}
+        for future in futures:
+            results.update(future.result(timeout=900))
+    return results
+
+
+@pytest.mark.parametrize("family", STATEFUL_COMPILED)
+def test_compiled_model_region_equals_eager_for_stateful_families(family, stateful_compiled):
+    """A stateful family's decode steps through the model's graph: each stateful module's
+    sequences as one batch of one-token sequences, their states gathered and scattered by slot
+    inside the graph, with no graph break; the greedy tokens of 3, 2 and 1 sequences equal eager's,
+    two graphs (``1``, ``2+``) and nothing compiled after the warm-up."""
+    got = stateful_compiled[family]
+    assert "error" not in got, got.get("error")
+    assert got["compiled"] == got["eager"], got
+    assert got["after_warm_up"] == 0 and got["graphs"] == 2 and got["graph_breaks"] == 0, got
+    assert {1, 2, 3} <= set(got["batches"]), got
 
 
 def _share_out_warm_up(rank, world_size, path, graph_dir, failing_rank=None):
@@ -314,7 +371,7 @@ def _one_row_products() -> int:
     return counters["decompose_mm"] + counters["decompose_addmm"]
 
 
-def _layer_region_family(family: str, graph_dir: str, packed: bool = False) -> dict:
+def _layer_region_family(family: str, graph_dir: str, packed: bool = False, region: str = "layer") -> dict:
     """One family's tiny model in process, unsharded: greedy tokens eagerly, then with decode steps
     through compiled layers (``--compile-region layer``, the CPU default sizes ``1,2+``): three
     sequences of different lengths (the batch shrinks 3, 2, 1), the graphs compiled (or loaded from
@@ -340,7 +397,7 @@ def _layer_region_family(family: str, graph_dir: str, packed: bool = False) -> d
         harness.scheduler.eos_token_ids = set()
         if mode == "compiled":
             decomposed = _one_row_products()
-            harness.engines[0].compile_decode(sizes=COMPILE_BATCH_SIZES["cpu"], region="layer", graph_dir=graph_dir)
+            harness.engines[0].compile_decode(sizes=COMPILE_BATCH_SIZES["cpu"], region=region, graph_dir=graph_dir)
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             # one-row products made inductor's own reductions (none where every graph was loaded)
             got["one_row_products"] = _one_row_products() - decomposed
@@ -350,6 +407,10 @@ def _layer_region_family(family: str, graph_dir: str, packed: bool = False) -> d
     compiled = harness.engines[0].compiled
     got["after_warm_up"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
     got["graphs"], got["batches"] = compiled.graphs_compiled, sorted(compiled.batches)
+    got["padded_rows"] = compiled.padded_rows
+    if region == "model":
+        got["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+        return got
     got["entries"] = sorted(compiled._layers.calls)  # graph -> each layer's graph
     got["loaded"] = compiled.graphs_loaded
     got["whole_steps"] = compiled.whole_steps  # steps carrying prompt chunks, through the open graph
@@ -427,7 +488,7 @@ def test_compiled_layers_are_kept_on_disk_loaded_and_retraced_where_broken(tmp_p
     assert keys[1] != store_key(model, layers, cpu, block_size=4)
 
 
-def _families_in_process(families: list[str]) -> dict:
+def _families_in_process(families: list[str], region: str = "layer") -> dict:
     """:func:`_layer_region_family` of each of ``families`` in this process, one thread (one of the
     matrix's two processes); a family that raises gives its traceback, not the others' results."""
     import traceback
@@ -436,7 +497,7 @@ def _families_in_process(families: list[str]) -> dict:
     out = {}
     for family in families:
         try:
-            out[family] = _layer_region_family(family, graph_dir="")
+            out[family] = _layer_region_family(family, graph_dir="", region=region)
         except Exception:  # noqa: BLE001 - that family's test reports it
             out[family] = {"error": traceback.format_exc()}
     return out
@@ -495,17 +556,21 @@ def test_compile_decode_refuses_what_it_cannot_compile_by_name(family):
         _layer_region_family(family, graph_dir="")
 
 
-def test_compile_decode_with_nothing_resident_is_refused_before_launch(tmp_path):
-    from tests.checkpoints import write_checkpoint
+@pytest.mark.parametrize("family,flags,error", [
+    ("llama", ["--resident-units", "0"],
+     "--compile decode needs every unit resident: --resident-units 0 gathers them every step"),
+    ("lfm2", [], "--compile decode: lfm2's layers carry per-sequence state (server.engine.state), which the layers' "
+                 "shared graphs do not take; --compile-region model compiles its decode steps")],
+    ids=["nothing-resident", "stateful-layer-region"])
+def test_compile_decode_that_cannot_run_is_refused_before_launch(tmp_path, family, flags, error):
+    from tests.test_families import _write
 
-    path = write_checkpoint(tmp_path / "llama", "llama")
+    path = _write(family, tmp_path / family)
     proc = subprocess.run([sys.executable, "-m", "server", "--model", str(path), "--device", "cpu", "--compile",
-                           "decode", "--resident-units", "0"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                           "decode", *flags], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hsdp-serve: ")]
-    assert proc.returncode == 2 and errors == [
-        "hsdp-serve: --compile decode needs every unit resident: --resident-units 0 gathers them every step"], \
-        proc.stderr[-2000:]
+    assert proc.returncode == 2 and errors == [f"hsdp-serve: {error}"], proc.stderr[-2000:]
 
 
 def _decode_by_hand(q_HSd, k_HNd, v_HNd, slots_SL, contexts_S, scale, window, softcap, sinks_H):

@@ -422,9 +422,11 @@ class CompiledDecode:
 
         from server.engine.state import stateful
 
-        if stateful(model):
+        self.stateful = stateful(model)
+        if self.stateful and region != "model":
             raise CompileUnavailable("--compile decode: the model's layers carry per-sequence state "
-                                     "(server.engine.state), whose modules run eagerly; serve it without --compile")
+                                     "(server.engine.state), whose layers' graphs would each be their own; "
+                                     "--compile-region model compiles its decode steps")
         try:
             self._direct = DirectForward(model)
         except ValueError as e:
@@ -478,6 +480,8 @@ class CompiledDecode:
         first ``len(keep)`` rows kept are the step's, as unpadded."""
         bucket = bucket or self.bucket(len(ids))
         if bucket is None or max(start + count for start, count, _ in items) < 2:
+            return False
+        if self.stateful and any(start == 0 for start, _, _ in items):  # a state begins: eagerly (server.engine.state)
             return False
         extra = bucket - len(ids)
         ids += [0] * extra
@@ -547,6 +551,8 @@ class CompiledDecode:
                                 (layout.slots_T, 0), (decode.rows_S, 0), (decode.slots_SL, 0), (decode.valid_SL, 0),
                                 (decode.contexts_S, 0)):
                 torch._dynamo.mark_dynamic(tensor, dim)
+            if layout.state_slots_S is not None:  # a stateful model's (server.engine.state)
+                torch._dynamo.mark_dynamic(layout.state_slots_S, 0)
 
     def _call(self, kwargs, entry_threads: int):
         # specialize_float: the modules' float attributes (norm epsilons, scales) are constants.
@@ -673,7 +679,9 @@ class CompiledDecode:
         ids, positions, keep = [1], [context - 1], [0]
         items = [(context - 1, 1, list(range(-(-context // block_size))))]
         self.pad(ids, positions, items, keep, cache.scratch_block, bucket=bucket)
-        layout = PagedLayout.build(items, block_size, device)
+        # a stateful model's: every row's state in the scratch slot (nobody's)
+        states = [cache.states.add_scratch_slot()] * len(items) if self.stateful else None
+        layout = PagedLayout.build(items, block_size, device, states)
         cache.layout = layout
         if self._layers is not None:  # the open graph's: the layers' inputs of the step's rows symbolic too
             self._layers.mark_rows = self.sizes.in_open_graph(bucket)

@@ -383,6 +383,8 @@ class RankEngine:
             for w in work:
                 self.states.starts(w.seq_id, w.start)
             state_slots = [self.states.slot_of[w.seq_id] for w in work]
+            # a compiled step's padding rows (CompiledDecode.pad): their states in the scratch slot, nobody's
+            state_slots += [self.states.scratch_slot] * (len(items) - len(work))
         layout = PagedLayout.build(items, self.block_size, self.device, state_slots,
                                    image_spans if image_spans and any(image_spans) else None)
         self.cache.layout = layout

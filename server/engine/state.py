@@ -28,9 +28,12 @@ equal length; the engine packs sequences of every length into one row. So:
 * A stateful model does not reuse prefixes (``server.main`` turns prefix caching off for it): a
   cached block holds keys and values, not the state after it.
 
-The stateful modules run eagerly (``--compile decode`` refuses stateful models), on CPU through
-their torch reference paths; on CUDA their kernels where transformers finds them installed
-(causal-conv1d, mamba-ssm, flash-linear-attention: the modules' own dispatch).
+The stateful modules run on CPU through their torch reference paths; on CUDA their kernels where
+transformers finds them installed (causal-conv1d, mamba-ssm, flash-linear-attention: the modules'
+own dispatch). Inside a compiled decode step (``--compile-region model``: ``server.engine.compiled``
+admits steps whose every sequence continues its state) a module's rows are one batch, their states
+gathered and scattered by slot in the graph, a padding row's in the pool's scratch slot
+(:meth:`StatePool.add_scratch_slot`).
 """
 
 from __future__ import annotations
@@ -137,13 +140,22 @@ class StatePool:
         self._free = list(range(capacity - 1, -1, -1))
         self.tensors = {key: torch.zeros((capacity, *shape), dtype=dtype, device=device)
                         for key, (shape, dtype) in shapes.items()}
+        self.scratch_slot: int | None = None  # a compiled step's padding rows' slot (add_scratch_slot)
+
+    def add_scratch_slot(self) -> int:
+        """One slot past the sequences' that no sequence gets: the padding rows of a compiled decode
+        step (``server.engine.compiled``) read and write their states there. Once; returns it."""
+        if self.scratch_slot is None:
+            self.tensors = {key: torch.cat((t, torch.zeros_like(t[:1]))) for key, t in self.tensors.items()}
+            self.scratch_slot = self.capacity
+        return self.scratch_slot
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def bytes_per_sequence(self) -> int:
-        return self.nbytes // self.capacity if self.capacity else 0
+        return sum(t[0].numel() * t.element_size() for t in self.tensors.values()) if self.capacity else 0
 
     def add(self, seq_id: int) -> int:
         if seq_id in self.slot_of:
@@ -276,6 +288,14 @@ class _PerSequenceState:
         layout, pool = cache.layout, cache.states
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = None  # a padding mask for one batch; the row has no padding
+        if torch.compiler.is_compiling():
+            # a compiled decode step (server.engine.compiled: steps whose every sequence continues its state,
+            # padded, the padding rows' states in the pool's scratch slot): the row as one batch of
+            # one-token sequences, in row order, their states gathered and scattered by slot
+            segment_cache = _SegmentCache(pool, self.layer_idx, layout.state_slots_S, True)
+            result = super().forward(hidden_states.transpose(0, 1), *args, **{**kwargs, name: segment_cache})
+            segment_cache.store()
+            return result.transpose(0, 1)
         out = None
 
         def run(rows: torch.Tensor, segment: torch.Tensor, slots: torch.Tensor, previous: bool):
