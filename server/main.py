@@ -486,7 +486,6 @@ def _check_before_launch(cfg: ServeConfig, source) -> None:
     from loaders.checkpoint import load_config
     from server.api.openai.chat import read_chat_template
     from server.engine.capability import check_servable
-    from server.engine.state import is_stateful_config
     from server.group.process_group import is_under_torchrun, resolve_nproc_per_node
 
     from loaders.quantization import quantization_plan
@@ -498,10 +497,6 @@ def _check_before_launch(cfg: ServeConfig, source) -> None:
 
     if cfg.compile == "decode" and cfg.resident_units == 0:
         raise ValueError("--compile decode needs every unit resident: --resident-units 0 gathers them every step")
-    if cfg.compile == "decode" and cfg.compile_region == "layer" and is_stateful_config(model_config):
-        raise ValueError(f"--compile decode: {model_config.model_type}'s layers carry per-sequence state "
-                         "(server.engine.state), which the layers' shared graphs do not take; --compile-region "
-                         "model compiles its decode steps")
     cfg.nproc_per_node = resolve_nproc_per_node(cfg.nproc_per_node, resolve_device_type(cfg.device))
     if not is_under_torchrun():
         cfg.mesh_config(cfg.nproc_per_node, cfg.nproc_per_node).resolve_mesh_shape(cfg.nproc_per_node)

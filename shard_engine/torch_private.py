@@ -358,7 +358,8 @@ class CompiledCall:
         """Whether this traced graph's guards pass on these arguments (every one evaluated)."""
         return self.traced and bool(self._function.guard_check(*args, **kwargs))
 
-    def go_direct(self, args: tuple, kwargs: dict, output) -> str | None:
+    def go_direct(self, args: tuple, kwargs: dict, output, before_again: Callable[[], None] | None = None
+                  ) -> str | None:
         """From now on :attr:`call` enters inductor's generated code directly, past AOTAutograd's
         runtime wrapper and inductor's ``OutputCode`` call (~20 us a call of a tiny Llama layer on
         these cores, of ~130), where the wrapper has nothing to do for this graph: an inference graph
@@ -369,13 +370,14 @@ class CompiledCall:
         Checked here: ``args``/``kwargs`` called again (the caller has just called :attr:`call` on
         them and got ``output``; a second call writes the same keys and values) must give ``output``
         bit for bit, else the wrapper stays. Returns why it stays, None where it went (also kept
-        in :attr:`wrapped`); once per graph: a later call returns the first answer."""
+        in :attr:`wrapped`); once per graph: a later call returns the first answer. ``before_again``:
+        puts back what the first call changed that its second would read (a stateful layer's states)."""
         if not self.direct_tried:
             self.direct_tried = True
-            self.wrapped = self._go_direct(args, kwargs, output)
+            self.wrapped = self._go_direct(args, kwargs, output, before_again)
         return self.wrapped
 
-    def _go_direct(self, args: tuple, kwargs: dict, output) -> str | None:
+    def _go_direct(self, args: tuple, kwargs: dict, output, before_again) -> str | None:
         fn = self.call
         names = [name for name in fn.__code__.co_names if name.startswith("__compiled_fn")]
         if len(names) != 1:
@@ -405,6 +407,8 @@ class CompiledCall:
 
         fn.__globals__[names[0]] = direct
         try:
+            if before_again is not None:
+                before_again()
             again = fn(*args, **kwargs)
             why = _differs(output, again)
         except Exception as e:  # noqa: BLE001 - the wrapper stays

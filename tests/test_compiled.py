@@ -16,10 +16,12 @@ from tests.dist import run_ranks, values
 from tests.server_process import REPO
 from tests.test_families import SERVED, STATEFUL
 
-NOT_COMPILED = {"deepseek_v2": "rope is complex-valued", **{family: "per-sequence state" for family in STATEFUL}}
+NOT_COMPILED = {"deepseek_v2": "rope is complex-valued"}
 """Served families ``--compile decode`` refuses, and the refusal's words: DeepSeek-V2's complex
 frequencies (``view_as_complex``) make inductor specialize a layer's graph to one step size."""
-SERVED_FAMILIES = [f for f in SERVED if f not in NOT_COMPILED]
+SERVED_FAMILIES = [f for f in SERVED if f not in NOT_COMPILED and f not in STATEFUL]
+"""The family matrix's: the stateful families have tests of their own (their steps with prompt
+chunks run eagerly)."""
 
 
 def _hooks_out_and_back(rank, world_size, path):
@@ -227,25 +229,27 @@ def test_compiled_decode_equals_eager_token_for_token(tmp_path, region):
 
 def test_compiled_decode_of_a_stateful_model_equals_eager_on_2_ranks(tmp_path):
     """LFM2 (short convolutions beside attention layers: a state slot per sequence) sharded over 2
-    ranks, ``--compile-region model`` under ``1,2,4+``: greedy tokens equal eager's, most decode
-    steps compiled (a batch of 3 padded to 4, its padding row's states in the pool's scratch slot,
-    nobody's), nothing compiled after the warm-up; the steps that carry a prompt chunk, or a
-    sequence's first state, run eagerly."""
+    ranks, the layers' graphs (the default region) under ``1,2,4+``: greedy tokens equal eager's,
+    most decode steps compiled (a batch of 3 padded to 4, its padding row's states in the pool's
+    scratch slot, nobody's), a graph per size of each kind of layer (convolution, attention) shared
+    by the layers of the kind (each layer's states its graph's input), nothing compiled after the
+    warm-up; the steps that carry a prompt chunk, or a sequence's first state, run eagerly."""
     from tests.test_families import _write
 
     paths = {"lfm2": _write("lfm2", tmp_path / "lfm2")}
-    for by_family in values(run_ranks(_decode_eager_and_compiled, 2, tmp_path, paths, "model", timeout=600)):
+    for by_family in values(run_ranks(_decode_eager_and_compiled, 2, tmp_path, paths, "layer", timeout=600)):
         got = by_family["lfm2"]
         assert got["errors"] == [None] * 5 and got["compiled"] == got["eager"], got
-        assert got["compiled_after_warm_up"] == 0 and got["graphs_compiled"] == 3, got
+        assert got["compiled_after_warm_up"] == 0 and got["graphs_compiled"] == 6, got
         assert got["compiled_steps"] > got["steps"] // 2 and got["padded_rows"] > 0, got
         assert {1, 2, 4, 5} <= set(got["batches"]) and got["every_step_fit_a_graph"], got
 
 
-STATEFUL_COMPILED = ["qwen3_next", "falcon_h1", "mamba", "jamba"]
-"""Stateful families compiled in process (``--compile-region model``): gated delta-net beside
-attention and experts; attention and Mamba2 in one layer; Mamba-1 alone, and beside attention and
-experts. LFM2 on 2 ranks above; every served stateful family was checked once by hand."""
+STATEFUL_COMPILED = ["qwen3_next", "falcon_h1", "mamba", "jamba@model"]
+"""Stateful families compiled in process, by layer (``family@model``: the model's graph):
+gated delta-net beside attention and experts; attention and Mamba2 in one layer; Mamba-1 alone,
+and beside attention and experts. LFM2 on 2 ranks above; every served stateful family was checked
+once by hand in both regions."""
 
 
 @pytest.fixture(scope="module")
@@ -259,8 +263,8 @@ def stateful_compiled() -> dict:
 
     multiprocessing.set_forkserver_preload(PRELOAD)
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("forkserver")) as pool:
-        futures = [pool.submit(_families_in_process, half, "model") for half in (STATEFUL_COMPILED[0::2],
-                                                                                 STATEFUL_COMPILED[1::2])]
+        futures = [pool.submit(_families_in_process, half) for half in (STATEFUL_COMPILED[0::2],
+                                                                        STATEFUL_COMPILED[1::2])]
         results = {}
         for future in futures:
             results.update(future.result(timeout=900))
@@ -268,16 +272,32 @@ def stateful_compiled() -> dict:
 
 
 @pytest.mark.parametrize("family", STATEFUL_COMPILED)
-def test_compiled_model_region_equals_eager_for_stateful_families(family, stateful_compiled):
-    """A stateful family's decode steps through the model's graph: each stateful module's
-    sequences as one batch of one-token sequences, their states gathered and scattered by slot
-    inside the graph, with no graph break; the greedy tokens of 3, 2 and 1 sequences equal eager's,
-    two graphs (``1``, ``2+``) and nothing compiled after the warm-up."""
+def test_compiled_decode_equals_eager_for_stateful_families(family, stateful_compiled):
+    """A stateful family's decode steps through its layers' graphs (or the model's): each stateful
+    module's sequences as one batch of one-token sequences, their states gathered and scattered by
+    slot inside the graph; the greedy tokens of 3, 2 and 1 sequences equal eager's, a graph a size
+    (of each kind of layer), nothing compiled after the warm-up, and the steps with prompt chunks
+    left to eager (none in the open graph)."""
     got = stateful_compiled[family]
     assert "error" not in got, got.get("error")
     assert got["compiled"] == got["eager"], got
-    assert got["after_warm_up"] == 0 and got["graphs"] == 2 and got["graph_breaks"] == 0, got
-    assert {1, 2, 3} <= set(got["batches"]), got
+    assert got["after_warm_up"] == 0 and {1, 2, 3} <= set(got["batches"]), got
+    if family.endswith("@model"):
+        assert got["graphs"] == 2 and got["graph_breaks"] == 0, got
+    else:
+        assert got["entries"] == ["1", "2+"] and 2 <= got["graphs"] <= 4 and got["whole_steps"] == 0, got
+        assert got["wrapped"] == [], got  # checked with the states put back between the two calls
+
+
+def test_a_stateful_models_layer_graphs_are_kept_on_disk_and_loaded(tmp_path):
+    """LFM2's layers' graphs (convolution layers', attention layers') saved by a warm-up and loaded
+    by the next, each checked against eager from the same states (the check's eager call puts them
+    back): nothing traced again, the same tokens."""
+    got = _layer_region_family("lfm2", graph_dir=str(tmp_path))
+    again = _layer_region_family("lfm2", graph_dir=str(tmp_path))
+    assert got["compiled"] == got["eager"] == again["compiled"], (got, again)
+    assert (got["graphs"], got["loaded"], again["graphs"], again["loaded"]) == (4, 0, 0, 4), (got, again)
+    assert got["wrapped"] == [] == again["wrapped"], (got, again)
 
 
 def _share_out_warm_up(rank, world_size, path, graph_dir, failing_rank=None):
@@ -488,7 +508,7 @@ def test_compiled_layers_are_kept_on_disk_loaded_and_retraced_where_broken(tmp_p
     assert keys[1] != store_key(model, layers, cpu, block_size=4)
 
 
-def _families_in_process(families: list[str], region: str = "layer") -> dict:
+def _families_in_process(families: list[str]) -> dict:
     """:func:`_layer_region_family` of each of ``families`` in this process, one thread (one of the
     matrix's two processes); a family that raises gives its traceback, not the others' results."""
     import traceback
@@ -497,7 +517,8 @@ def _families_in_process(families: list[str], region: str = "layer") -> dict:
     out = {}
     for family in families:
         try:
-            out[family] = _layer_region_family(family, graph_dir="", region=region)
+            name, _, region = family.partition("@")  # family@model: the model's graph
+            out[family] = _layer_region_family(name, graph_dir="", region=region or "layer")
         except Exception:  # noqa: BLE001 - that family's test reports it
             out[family] = {"error": traceback.format_exc()}
     return out
@@ -556,21 +577,17 @@ def test_compile_decode_refuses_what_it_cannot_compile_by_name(family):
         _layer_region_family(family, graph_dir="")
 
 
-@pytest.mark.parametrize("family,flags,error", [
-    ("llama", ["--resident-units", "0"],
-     "--compile decode needs every unit resident: --resident-units 0 gathers them every step"),
-    ("lfm2", [], "--compile decode: lfm2's layers carry per-sequence state (server.engine.state), which the layers' "
-                 "shared graphs do not take; --compile-region model compiles its decode steps")],
-    ids=["nothing-resident", "stateful-layer-region"])
-def test_compile_decode_that_cannot_run_is_refused_before_launch(tmp_path, family, flags, error):
-    from tests.test_families import _write
+def test_compile_decode_with_nothing_resident_is_refused_before_launch(tmp_path):
+    from tests.checkpoints import write_checkpoint
 
-    path = _write(family, tmp_path / family)
+    path = write_checkpoint(tmp_path / "llama", "llama")
     proc = subprocess.run([sys.executable, "-m", "server", "--model", str(path), "--device", "cpu", "--compile",
-                           "decode", *flags], cwd=REPO, capture_output=True, text=True, timeout=120,
+                           "decode", "--resident-units", "0"], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hsdp-serve: ")]
-    assert proc.returncode == 2 and errors == [f"hsdp-serve: {error}"], proc.stderr[-2000:]
+    assert proc.returncode == 2 and errors == [
+        "hsdp-serve: --compile decode needs every unit resident: --resident-units 0 gathers them every step"], \
+        proc.stderr[-2000:]
 
 
 def _decode_by_hand(q_HSd, k_HNd, v_HNd, slots_SL, contexts_S, scale, window, softcap, sinks_H):

@@ -56,6 +56,8 @@ attention function, which then writes the step's keys and values itself (the cac
 ``pools_in_kwargs``): how a compiled layer (:mod:`server.engine.compiled`, ``--compile-region
 layer``) reaches its pools as inputs of its graph, one graph for every layer, rather than by its
 ``layer_idx``, a constant that would make a graph of each."""
+LAYER_STATES = "hsdp_layer_states"
+"""The keyword a compiled layer of a stateful model gets its states by (:class:`LayerPools`)."""
 _UNSUPPORTED_KWARGS = ()  # every keyword an attention module passes is implemented or ignored
 _one_decode_inline = False  # within one_decode_inline()
 _whole_step_op = False  # within whole_step_op()
@@ -268,13 +270,16 @@ class PagedKVCache:
 
 
 class LayerPools:
-    """One layer's pools with the step's layout, in place of the cache, for a decoder layer that does
-    not pass its keywords down to its attention (the adapted families' blocks:
-    :mod:`server.engine.adapters`): a compiled layer's graph gets its pools as an input
-    (:data:`LAYER_POOLS`) as every layer's does, and its attention writes them through :meth:`update`."""
+    """One layer's pools (and states) with the step's layout, in place of the cache, inside a
+    compiled layer's graph, which gets them as its inputs (:data:`LAYER_POOLS`, :data:`LAYER_STATES`)
+    rather than finding them by the layer's index (a constant: a graph for each layer): for a
+    decoder layer that does not pass its keywords down to its attention (the adapted families'
+    blocks: :mod:`server.engine.adapters`), whose attention writes the pools through :meth:`update`;
+    and for a stateful model's layers, whose stateful modules read and write ``states`` (a
+    :class:`server.engine.state.LayerStates`)."""
 
-    def __init__(self, layout: PagedLayout, pools: tuple[torch.Tensor, torch.Tensor]):
-        self.layout, self.pools = layout, pools
+    def __init__(self, layout: PagedLayout, pools: tuple[torch.Tensor, ...], states=None):
+        self.layout, self.pools, self.states = layout, pools, states
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         return _write_step(layer_idx, self.layout, key_states, value_states, *self.pools)

@@ -66,7 +66,8 @@ import torch
 from torch import nn
 
 from server.engine.adapters import POOLS_KEYWORD
-from server.engine.attention import LAYER_POOLS, LayerPools, one_decode_inline, step_layout, whole_step_op
+from server.engine.attention import LAYER_POOLS, LAYER_STATES, LayerPools, PagedKVCache, one_decode_inline, step_layout, \
+    whole_step_op
 from server.engine.cores import threads_inside
 from server.engine.linears import plain_forwards
 
@@ -144,8 +145,11 @@ def _layer_forward(layer: nn.Module, *args, **kwargs):
     (:data:`server.engine.adapters.POOLS_KEYWORD` names its cache's keyword) gets its pools in
     place of the cache (:class:`server.engine.attention.LayerPools`)."""
     keyword = getattr(layer, POOLS_KEYWORD, None)
+    states = kwargs.pop(LAYER_STATES, None)
+    if states is not None:  # a stateful model's layer: its cache keyword's
+        keyword = next(k for k, v in kwargs.items() if isinstance(v, PagedKVCache))
     if keyword is not None and LAYER_POOLS in kwargs:
-        kwargs[keyword] = LayerPools(kwargs[keyword].layout, kwargs.pop(LAYER_POOLS))
+        kwargs[keyword] = LayerPools(kwargs[keyword].layout, kwargs.pop(LAYER_POOLS), states)
     return type(layer).forward(layer, *args, **kwargs)
 
 
@@ -299,8 +303,11 @@ class _CompiledLayers:
         for i, (layer, index) in enumerate(self.layers):  # object's setattr: nn.Module's checks cost 24 layers ~0.1 ms
             # an MLA cache's one pool a layer: its values are a view of it (server.engine.mla)
             pools = (cache.keys[index],) if cache.values_in_keys else (cache.keys[index], cache.values[index])
-            forward = (functools.partial(self._match, i, key, pools) if calls is None else
-                       functools.partial(_run_graph, calls[i], layer, threads, pools))
+            extra = {LAYER_POOLS: pools}
+            if cache.states is not None:  # a stateful model's (server.engine.state)
+                extra[LAYER_STATES] = cache.states.of_layer(index)
+            forward = (functools.partial(self._match, i, key, extra) if calls is None else
+                       functools.partial(_run_graph, calls[i], layer, threads, extra))
             object.__setattr__(layer, "forward", forward)
         cache.pools_in_kwargs = True
         try:
@@ -320,13 +327,13 @@ class _CompiledLayers:
             for layer, _ in self.layers:
                 object.__delattr__(layer, "forward")
 
-    def _match(self, i: int, key: str, pools, *args, **kwargs):
+    def _match(self, i: int, key: str, extra: dict, *args, **kwargs):
         """The warm-up's call of layer ``i`` at ``key``: its loaded graph (checked against eager on
         first use), else the traced graph whose guards pass on its inputs, traced now if none does."""
         layer = self.layers[i][0]
         if self.mark_rows:
             _mark_rows(args, kwargs)
-        kwargs[LAYER_POOLS] = pools
+        kwargs.update(extra)  # the layer's pools (and states)
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         graphs = self.assigned[key]
@@ -338,7 +345,7 @@ class _CompiledLayers:
                     self.store.drop(key, self.threads, f"decoder layer {i}'s graph {why}")
                     self.unchecked -= {id(g) for g in graphs}
                     graphs[:] = [None] * len(graphs)
-                    return self._match(i, key, pools, *args, **kwargs)
+                    return self._match(i, key, extra, *args, **kwargs)
                 self.unchecked.discard(id(graph))
             return _call_and_go_direct(graph, f"decoder layer {i}'s graph", layer, *args, **kwargs)
         fit = next((g for g in self.graphs if g.fits(layer, *args, **kwargs)), None)
@@ -362,9 +369,10 @@ class _CompiledLayers:
 def _call_and_go_direct(graph, name: str, /, *args, **kwargs):
     """A warm-up's call of ``graph`` (a CompiledCall, ``name`` in the log); on a graph's first call,
     its code entered directly from then on where that is the same (``CompiledCall.go_direct``)."""
+    restore = _states_restorer(kwargs)
     output = graph.call(*args, **kwargs)
     if not graph.direct_tried:
-        why = graph.go_direct(args, kwargs, output)
+        why = graph.go_direct(args, kwargs, output, before_again=restore)
         if why:
             logger.info("compiled decode: %s keeps AOTAutograd's wrapper (%s)", name, why)
     return output
@@ -374,7 +382,10 @@ def _disagreement(graph, layer: nn.Module, args, kwargs) -> str | None:
     """Why a loaded graph's output on a layer's warm-up inputs is not eager's (None: it is, to 1e-2
     of its norm in float32, 5e-2 in 16-bit types: a graph of other code is far off, or fails).
     Both write the same keys and values."""
+    restore = _states_restorer(kwargs)
     expected = _layer_forward(layer, *args, **kwargs)
+    if restore is not None:
+        restore()
     try:
         got = graph.call(layer, *args, **kwargs)
     except Exception as e:  # noqa: BLE001 - a graph that fails is traced again
@@ -387,11 +398,29 @@ def _disagreement(graph, layer: nn.Module, args, kwargs) -> str | None:
     return None if error <= tolerance else f"is {error:.2g} of the norm from eager"
 
 
-def _run_graph(call, layer: nn.Module, threads: int, pools, *args, **kwargs):
-    """A decoder layer's forward after the warm-up: its graph's code, entered at ``threads``."""
+def _states_restorer(kwargs) -> Callable[[], None] | None:
+    """For a stateful layer's warm-up call (its states among ``kwargs``: :data:`LAYER_STATES`): a
+    function that puts the states of the step's slots back as they are now, so that a second call,
+    a check of the first, starts from the same states (None for a layer without)."""
+    states = kwargs.get(LAYER_STATES)
+    if states is None:
+        return None
+    slots = next(v for v in kwargs.values() if isinstance(v, PagedKVCache)).layout.state_slots_S
+    saved = {key: t.index_select(0, slots) for key, t in states.tensors.items()}
+
+    def restore() -> None:
+        for key, t in saved.items():
+            states.tensors[key].index_copy_(0, slots, t)
+
+    return restore
+
+
+def _run_graph(call, layer: nn.Module, threads: int, extra: dict, *args, **kwargs):
+    """A decoder layer's forward after the warm-up: its graph's code, entered at ``threads``, with
+    its pools (and states) as ``extra`` keywords."""
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-    return call(layer, *args, **kwargs, **{LAYER_POOLS: pools})
+    return call(layer, *args, **kwargs, **extra)
 
 
 def _mark_rows(args, kwargs) -> None:
@@ -422,11 +451,7 @@ class CompiledDecode:
 
         from server.engine.state import stateful
 
-        self.stateful = stateful(model)
-        if self.stateful and region != "model":
-            raise CompileUnavailable("--compile decode: the model's layers carry per-sequence state "
-                                     "(server.engine.state), whose layers' graphs would each be their own; "
-                                     "--compile-region model compiles its decode steps")
+        self.stateful = stateful(model)  # its steps with prompt chunks or first states run eagerly
         try:
             self._direct = DirectForward(model)
         except ValueError as e:
@@ -496,7 +521,7 @@ class CompiledDecode:
         open graph, whose attention is one op over whatever the step carries (the decoding
         sequences, the chunks: ``attention.whole_step_op``): with the layer region, an open size,
         and at least its rows. The model's graph, and static sizes, hold decode steps only."""
-        if self._layers is None or not self.sizes.in_open_graph(rows):
+        if self._layers is None or self.stateful or not self.sizes.in_open_graph(rows):
             return False
         self.whole_steps += 1
         return True

@@ -30,10 +30,10 @@ equal length; the engine packs sequences of every length into one row. So:
 
 The stateful modules run on CPU through their torch reference paths; on CUDA their kernels where
 transformers finds them installed (causal-conv1d, mamba-ssm, flash-linear-attention: the modules'
-own dispatch). Inside a compiled decode step (``--compile-region model``: ``server.engine.compiled``
-admits steps whose every sequence continues its state) a module's rows are one batch, their states
-gathered and scattered by slot in the graph, a padding row's in the pool's scratch slot
-(:meth:`StatePool.add_scratch_slot`).
+own dispatch). Inside a compiled decode step (``server.engine.compiled`` admits steps whose every
+sequence continues its state) a module's rows are one batch, their states gathered and scattered
+by slot in the graph, a padding row's in the pool's scratch slot (:meth:`StatePool.add_scratch_slot`);
+a compiled layer's states are its graph's inputs (:class:`LayerStates`), not found by its index.
 """
 
 from __future__ import annotations
@@ -177,6 +177,9 @@ class StatePool:
             raise RuntimeError(f"sequence {seq_id} starts at position {start} without its state: a stateful model "
                                "cannot take a cached prefix (prefix caching must be off for it)")
 
+    def of_layer(self, layer: int) -> LayerStates:
+        return LayerStates({(kind, i): t for (at, kind, i), t in self.tensors.items() if at == layer})
+
     def remove(self, seq_id: int) -> None:
         self._started.discard(seq_id)
         slot = self.slot_of.pop(seq_id, None)
@@ -194,6 +197,22 @@ class StatePool:
             raise RuntimeError(f"layer {layer} stores a {kind} state {state} of {tuple(values.shape[1:])} "
                                f"{values.dtype}; its probe found {expected} (server.engine.state.state_shapes)")
         t.index_copy_(0, slots, values)
+
+
+class LayerStates:
+    """One layer's states of a :class:`StatePool` (``of_layer``), read and written as the pool's, the
+    layer's index ignored: what a compiled layer's graph gets as its input (``attention.LayerPools``),
+    so that every layer of a kind shares one graph."""
+
+    def __init__(self, tensors: dict[tuple[str, int], torch.Tensor]):
+        self.tensors = tensors
+
+    def gather(self, layer, kind: str, state: int, slots: torch.Tensor) -> torch.Tensor | None:
+        t = self.tensors.get((kind, state))
+        return None if t is None else t.index_select(0, slots)
+
+    def scatter(self, layer, kind: str, state: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.tensors[(kind, state)].index_copy_(0, slots, values)
 
 
 class _SegmentCache:
@@ -220,7 +239,7 @@ class _SegmentCache:
                 self.state.has_previous_state[i] = conv is not None or recurrent is not None
 
     def _check(self, layer_idx: int) -> None:
-        if layer_idx != self.layer_idx:
+        if self.layer_idx is not None and layer_idx != self.layer_idx:  # None: a compiled layer's (LayerStates)
             raise RuntimeError(f"a stateful module of layer {self.layer_idx} asked for layer {layer_idx}'s state")
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
@@ -279,9 +298,9 @@ class _PerSequenceState:
     _continues_one_token_at_a_time = False  # (:func:`_scans_from_zero`)
 
     def forward(self, hidden_states, *args, **kwargs):
-        from server.engine.attention import PagedKVCache
+        from server.engine.attention import LayerPools, PagedKVCache
 
-        name = next((k for k, v in kwargs.items() if isinstance(v, PagedKVCache)), None)
+        name = next((k for k, v in kwargs.items() if isinstance(v, (PagedKVCache, LayerPools))), None)
         cache = kwargs.get(name) if name is not None else None
         if cache is None or cache.layout is None or cache.states is None:
             return super().forward(hidden_states, *args, **kwargs)
@@ -292,7 +311,9 @@ class _PerSequenceState:
             # a compiled decode step (server.engine.compiled: steps whose every sequence continues its state,
             # padded, the padding rows' states in the pool's scratch slot): the row as one batch of
             # one-token sequences, in row order, their states gathered and scattered by slot
-            segment_cache = _SegmentCache(pool, self.layer_idx, layout.state_slots_S, True)
+            # a compiled layer's graph (its states its input, shared by the layers of its kind) never reads its index
+            layer = None if isinstance(cache, LayerPools) else self.layer_idx
+            segment_cache = _SegmentCache(pool, layer, layout.state_slots_S, True)
             result = super().forward(hidden_states.transpose(0, 1), *args, **{**kwargs, name: segment_cache})
             segment_cache.store()
             return result.transpose(0, 1)
