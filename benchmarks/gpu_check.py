@@ -764,6 +764,13 @@ hybrids' per-sequence state (gated delta-net, Mamba2, Mamba-1 with attention): t
 code paths that only its CPU tests have run."""
 
 
+COMPILED_FAMILIES = ("bloom", "qwen3_next", "mamba2")
+"""Of :data:`GPU_FAMILIES`, those phase families also decodes through compiled layers (``--compile
+decode``, the device's default sizes): an adapter's attention, and stateful layers whose states are
+their graphs' inputs (with mamba-ssm / flash-linear-attention's kernels where installed). The dry
+run compiles the first only."""
+
+
 def _phase_families(p: dict, run: Run) -> None:
     """tests.test_families' tiny checkpoints of :data:`GPU_FAMILIES` on the device, resident in
     float32 (TF32 off), prompts of 21, 34 and 9 tokens in chunks of 16 and decoded together:
@@ -792,6 +799,16 @@ def _phase_families(p: dict, run: Run) -> None:
         engine = make_engine(ours.model, device, 64)
         prompts = random_prompts(3, (21, 34, 9), ours.config.get_text_config().vocab_size, seed=11)
         _greedy_case(p, family, failures, engine, reference, prompts, 8, 16)
+        if family in (COMPILED_FAMILIES[:1] if run.dry else COMPILED_FAMILIES):
+            from server.config import ServeConfig
+
+            engine = make_engine(ours.model, device, 64)
+            warm_up_s = engine.compile_decode(sizes=ServeConfig().compile_batch_sizes_for(device.type), region="layer",
+                                              graph_dir="")
+            warm_up_calls = engine.compiled.calls
+            _greedy_case(p, f"{family}-compiled", failures, engine, reference, prompts, 8, 16,
+                         warm_up_s=round(warm_up_s, 1))
+            p[f"{family}-compiled"]["compiled_steps"] = engine.compiled.calls - warm_up_calls
         del ours, reference, engine
     if failures:
         raise AssertionError(f"greedy tokens differ from transformers' in {failures}")

@@ -34,9 +34,11 @@ def test_gpu_check_dry_run(tmp_path):
     assert phases["sampling_syncs"]["greedy_syncs"] is None  # counted on a GPU only
     assert all(phases["quantized"][f]["equal"] == phases["quantized"][f]["of"] == 3
                for f in ("fp8-block-16", "w4a16", "w8a8"))
-    from benchmarks.gpu_check import GPU_FAMILIES
+    from benchmarks.gpu_check import COMPILED_FAMILIES, GPU_FAMILIES
 
     assert all(phases["families"][f]["equal"] == phases["families"][f]["of"] == 3 for f in GPU_FAMILIES)
+    compiled_family = phases["families"][f"{COMPILED_FAMILIES[0]}-compiled"]  # an adapter's, compiled
+    assert compiled_family["equal"] == compiled_family["of"] == 3 and compiled_family["compiled_steps"] > 0
     compiled = phases["compiled"]
     assert compiled["sizes"] == "1,2+" and set(compiled["regions"]) == {"layer", "model"}
     for region in compiled["regions"].values():  # float32: equal (the phase raises otherwise)
