@@ -58,6 +58,7 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -198,8 +199,9 @@ class _CompiledHead:
         return self.graph.call(x, head.weight, head.bias)
 
 
-def _complex_rope(model: nn.Module) -> bool:
-    """Whether ``model``'s rotary module gives complex frequencies (DeepSeek-V2) rather than cos and sin."""
+def _complex_rope(model: nn.Module) -> nn.Module | None:
+    """``model``'s rotary module where it gives complex frequencies (DeepSeek-V2's ``freqs_cis``)
+    rather than cos and sin; else None."""
     for module in model.modules():
         if type(module).__name__.endswith("RotaryEmbedding"):
             buffer = next(iter(module.buffers()), None)
@@ -208,9 +210,50 @@ def _complex_rope(model: nn.Module) -> bool:
                 with torch.no_grad():
                     out = module(torch.zeros(1, 2, 1, device=device), torch.arange(2, device=device)[None])
             except TypeError:  # a rope per layer type (Gemma 3: cos and sin)
-                return False
-            return isinstance(out, torch.Tensor) and out.is_complex()
-    return False
+                return None
+            return module if isinstance(out, torch.Tensor) and out.is_complex() else None
+    return None
+
+
+def _rotate_by_real_pairs(apply_complex):
+    """DeepSeek-V2's ``apply_rotary_emb`` that also takes its frequencies as real pairs
+    (``view_as_real(freqs_cis)``, [..., dim/2, 2]): each (even, odd) pair of the query and key
+    rotated as the complex product computes it, (a c - b s, a s + b c), in float32. Complex
+    frequencies go to the module's own function."""
+    def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs: torch.Tensor):
+        if freqs.is_complex():
+            return apply_complex(xq, xk, freqs)
+        cos, sin = freqs[..., 0].unsqueeze(1).to(xq.device), freqs[..., 1].unsqueeze(1).to(xq.device)
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+            a, b = pairs[..., 0], pairs[..., 1]
+            return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(3).type_as(x)
+
+        return rotate(xq), rotate(xk)
+
+    apply_rotary_emb.hsdp_real_pairs = True
+    return apply_rotary_emb
+
+
+@contextlib.contextmanager
+def _real_valued_rope(rotary: nn.Module | None) -> Iterator[None]:
+    """Within, a complex rope's rotary module (:func:`_complex_rope`) gives its frequencies as real
+    pairs, which its modeling module's ``apply_rotary_emb`` takes (:func:`_rotate_by_real_pairs`):
+    a compiled layer's graph then has no complex input, whose views inductor specialized to one
+    step's size. The rotary module runs eagerly, before the layers."""
+    if rotary is None:
+        yield
+        return
+    modeling = sys.modules[type(rotary).__module__]
+    if not getattr(modeling.apply_rotary_emb, "hsdp_real_pairs", False):
+        modeling.apply_rotary_emb = _rotate_by_real_pairs(modeling.apply_rotary_emb)
+    forward = type(rotary).forward
+    object.__setattr__(rotary, "forward", lambda *args, **kwargs: torch.view_as_real(forward(rotary, *args, **kwargs)))
+    try:
+        yield
+    finally:
+        object.__delattr__(rotary, "forward")
 
 
 class _CompiledLayers:
@@ -246,9 +289,7 @@ class _CompiledLayers:
         if not self.layers:
             raise CompileUnavailable("--compile-region layer: the model has no repeated decoder layers; "
                                      "--compile-region model compiles the whole forward instead")
-        if _complex_rope(model):
-            raise CompileUnavailable("--compile decode: the model's rope is complex-valued (DeepSeek-V2's freqs_cis), "
-                                     "whose views inductor specializes to one step's size; serve it without --compile")
+        self.complex_rope = _complex_rope(model)  # its frequencies as real pairs within (_real_valued_rope)
         self.compiled = torch.compile(_layer_forward, dynamic=False, fullgraph=True, options=INDUCTOR_OPTIONS)
         self.store = None  # a server.engine.graph_store.GraphStore (set by each warm-up), or None: none kept
         self.graphs: list = []  # the graphs traced in this process (CompiledCall), matched by their guards
@@ -316,6 +357,7 @@ class _CompiledLayers:
             # the open graph's attention one op over the step, whatever it carries (whole_step_op)
             open_graph = graph.endswith("+")
             with one_decode_inline() if self.compiling else contextlib.nullcontext(), \
+                    _real_valued_rope(self.complex_rope), \
                     self.head.installed(self.compiling) if graph == "1" else contextlib.nullcontext(), \
                     plain_forwards(layer for layer, _ in self.layers) if graph == "1" and self.compiling \
                     else contextlib.nullcontext(), \
