@@ -252,21 +252,8 @@ once by hand in both regions."""
 
 @pytest.fixture(scope="module")
 def stateful_compiled() -> dict:
-    """{family: :func:`_layer_region_family` in the model region} for :data:`STATEFUL_COMPILED`, in
-    two processes at once (as :func:`every_family_compiled`)."""
-    import concurrent.futures
-    import multiprocessing
-
-    from tests.dist import PRELOAD
-
-    multiprocessing.set_forkserver_preload(PRELOAD)
-    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("forkserver")) as pool:
-        futures = [pool.submit(_families_in_process, half) for half in (STATEFUL_COMPILED[0::2],
-                                                                        STATEFUL_COMPILED[1::2])]
-        results = {}
-        for future in futures:
-            results.update(future.result(timeout=900))
-    return results
+    """{family: what :func:`_layer_region_family` saw} for :data:`STATEFUL_COMPILED`."""
+    return _families_in_two_processes(STATEFUL_COMPILED)
 
 
 @pytest.mark.parametrize("family", STATEFUL_COMPILED)
@@ -528,15 +515,20 @@ def every_family_compiled() -> dict:
     processes at once, half the families each (forks of tests.dist's fork server): a family's
     graphs cost seconds of Python (dynamo, AOT autograd, inductor's lowering) on one core, so two
     processes on CI's two cores take about half the time of one."""
+    return _families_in_two_processes(SERVED_FAMILIES)
+
+
+def _families_in_two_processes(families: list[str]) -> dict:
+    """:func:`_families_in_process` of half of ``families`` in each of two processes at once (forks
+    of tests.dist's fork server)."""
     import concurrent.futures
     import multiprocessing
 
     from tests.dist import PRELOAD
 
     multiprocessing.set_forkserver_preload(PRELOAD)
-    halves = [SERVED_FAMILIES[0::2], SERVED_FAMILIES[1::2]]
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("forkserver")) as pool:
-        futures = [pool.submit(_families_in_process, half) for half in halves]
+        futures = [pool.submit(_families_in_process, half) for half in (families[0::2], families[1::2])]
         results = {}
         for future in futures:
             results.update(future.result(timeout=900))
