@@ -143,12 +143,13 @@ def import_compiler_in_background(device_type: str) -> threading.Thread:
 def _layer_forward(layer: nn.Module, *args, **kwargs):
     """A decoder layer's own forward, its class's (the instance's is :class:`_CompiledLayers`'s
     wrapper around this, compiled). A layer whose forward keeps its keywords from its attention
-    (:data:`server.engine.adapters.POOLS_KEYWORD` names its cache's keyword) gets its pools in
-    place of the cache (:class:`server.engine.attention.LayerPools`)."""
+    (:data:`server.engine.adapters.POOLS_KEYWORD` names its cache's keyword), and a stateful
+    model's layer (its states under :data:`LAYER_STATES`), get their pools (and states) in place of
+    the cache (:class:`server.engine.attention.LayerPools`)."""
     keyword = getattr(layer, POOLS_KEYWORD, None)
     states = kwargs.pop(LAYER_STATES, None)
-    if states is not None:  # a stateful model's layer: its cache keyword's
-        keyword = next(k for k, v in kwargs.items() if isinstance(v, PagedKVCache))
+    if states is not None:  # a stateful model's layer: its cache keyword's (none: its states found by its index)
+        keyword = next((k for k, v in kwargs.items() if isinstance(v, PagedKVCache)), None)
     if keyword is not None and LAYER_POOLS in kwargs:
         kwargs[keyword] = LayerPools(kwargs[keyword].layout, kwargs.pop(LAYER_POOLS), states)
     return type(layer).forward(layer, *args, **kwargs)
@@ -447,7 +448,10 @@ def _states_restorer(kwargs) -> Callable[[], None] | None:
     states = kwargs.get(LAYER_STATES)
     if states is None:
         return None
-    slots = next(v for v in kwargs.values() if isinstance(v, PagedKVCache)).layout.state_slots_S
+    cache = next((v for v in kwargs.values() if isinstance(v, PagedKVCache)), None)
+    if cache is None:
+        return None
+    slots = cache.layout.state_slots_S
     saved = {key: t.index_select(0, slots) for key, t in states.tensors.items()}
 
     def restore() -> None:
