@@ -120,9 +120,10 @@ def _dequantized_scaled(proj: str):
         # per row, each part's own (gate's, up's) on its rows where the scheme keeps one per linear
         tensors = {"weight": quantized.reshape(experts * rows, columns)}
         for stored in ("weight_scale", "weight_zero_point"):
-            if stored not in names or proj + names[stored] not in self._parameters:
+            held = getattr(self, proj + names[stored], None) if stored in names else None  # zero points: int8 asymmetric
+            if held is None:
                 continue
-            values = _routed(self, getattr(self, proj + names[stored])).reshape(experts, -1)
+            values = _routed(self, held).reshape(experts, -1)
             if values.shape[1] != rows:  # tensor strategy: one a linear, [experts, parts]
                 values = values.repeat_interleave(rows // values.shape[1], dim=1)
             tensors[stored] = values.reshape(experts * rows, 1)
