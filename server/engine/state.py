@@ -138,15 +138,21 @@ class StatePool:
         self.slot_of: dict[int, int] = {}
         self._started: set[int] = set()  # sequences whose state exists (their first chunk computed)
         self._free = list(range(capacity - 1, -1, -1))
-        self.tensors = {key: torch.zeros((capacity, *shape), dtype=dtype, device=device)
-                        for key, (shape, dtype) in shapes.items()}
+        self._hold({key: torch.zeros((capacity, *shape), dtype=dtype, device=device)
+                    for key, (shape, dtype) in shapes.items()})
         self.scratch_slot: int | None = None  # a compiled step's padding rows' slot (add_scratch_slot)
+
+    def _hold(self, tensors: dict[tuple[int, str, int], torch.Tensor]) -> None:
+        self.tensors = tensors
+        self._layers: dict[int, LayerStates] = {}  # each layer's, made once (a compiled step passes them every step)
+        for (layer, kind, state), t in tensors.items():
+            self._layers.setdefault(layer, LayerStates(layer, {})).tensors[(kind, state)] = t
 
     def add_scratch_slot(self) -> int:
         """One slot past the sequences' that no sequence gets: the padding rows of a compiled decode
         step (``server.engine.compiled``) read and write their states there. Once; returns it."""
         if self.scratch_slot is None:
-            self.tensors = {key: torch.cat((t, torch.zeros_like(t[:1]))) for key, t in self.tensors.items()}
+            self._hold({key: torch.cat((t, torch.zeros_like(t[:1]))) for key, t in self.tensors.items()})
             self.scratch_slot = self.capacity
         return self.scratch_slot
 
@@ -178,7 +184,11 @@ class StatePool:
                                "cannot take a cached prefix (prefix caching must be off for it)")
 
     def of_layer(self, layer: int) -> LayerStates:
-        return LayerStates({(kind, i): t for (at, kind, i), t in self.tensors.items() if at == layer})
+        """``layer``'s states (none for a layer that keeps none)."""
+        states = self._layers.get(layer)
+        if states is None:
+            states = self._layers[layer] = LayerStates(layer, {})
+        return states
 
     def remove(self, seq_id: int) -> None:
         self._started.discard(seq_id)
@@ -186,53 +196,48 @@ class StatePool:
         if slot is not None:
             self._free.append(slot)
 
-    def gather(self, layer: int, kind: str, state: int, slots: torch.Tensor) -> torch.Tensor | None:
-        t = self.tensors.get((layer, kind, state))
-        return None if t is None else t.index_select(0, slots)
-
-    def scatter(self, layer: int, kind: str, state: int, slots: torch.Tensor, values: torch.Tensor) -> None:
-        t = self.tensors.get((layer, kind, state))
-        if t is None or t.shape[1:] != values.shape[1:] or t.dtype != values.dtype:
-            expected = None if t is None else (tuple(t.shape[1:]), t.dtype)
-            raise RuntimeError(f"layer {layer} stores a {kind} state {state} of {tuple(values.shape[1:])} "
-                               f"{values.dtype}; its probe found {expected} (server.engine.state.state_shapes)")
-        t.index_copy_(0, slots, values)
 
 
 class LayerStates:
-    """One layer's states of a :class:`StatePool` (``of_layer``), read and written as the pool's, the
-    layer's index ignored: what a compiled layer's graph gets as its input (``attention.LayerPools``),
-    so that every layer of a kind shares one graph."""
+    """One layer's states of a :class:`StatePool` (``of_layer``: the pool's own tensors, by kind and
+    state index), read and written by slot. A compiled layer's graph gets them as its input
+    (``attention.LayerPools``) rather than finding them by the layer's index, so that every layer
+    of a kind shares one graph (``layer`` names the layer in errors only)."""
 
-    def __init__(self, tensors: dict[tuple[str, int], torch.Tensor]):
-        self.tensors = tensors
+    def __init__(self, layer: int, tensors: dict[tuple[str, int], torch.Tensor]):
+        self.layer, self.tensors = layer, tensors
 
-    def gather(self, layer, kind: str, state: int, slots: torch.Tensor) -> torch.Tensor | None:
+    def gather(self, kind: str, state: int, slots: torch.Tensor) -> torch.Tensor | None:
         t = self.tensors.get((kind, state))
         return None if t is None else t.index_select(0, slots)
 
-    def scatter(self, layer, kind: str, state: int, slots: torch.Tensor, values: torch.Tensor) -> None:
-        self.tensors[(kind, state)].index_copy_(0, slots, values)
+    def scatter(self, kind: str, state: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        t = self.tensors.get((kind, state))
+        if t is None or t.shape[1:] != values.shape[1:] or t.dtype != values.dtype:
+            expected = None if t is None else (tuple(t.shape[1:]), t.dtype)
+            raise RuntimeError(f"layer {self.layer} stores a {kind} state {state} of {tuple(values.shape[1:])} "
+                               f"{values.dtype}; its probe found {expected} (server.engine.state.state_shapes)")
+        t.index_copy_(0, slots, values)
 
 
 class _SegmentCache:
     """What a stateful module sees for a part of the row: its sequences' states in a
     ``LinearAttentionLayer`` (transformers' own state arithmetic), written back by :meth:`store`."""
 
-    def __init__(self, pool: StatePool, layer_idx: int, slots: torch.Tensor, previous: bool):
+    def __init__(self, states: LayerStates, layer_idx: int | None, slots: torch.Tensor, previous: bool):
         from transformers.cache_utils import LinearAttentionLayer
 
-        self.pool, self.layer_idx, self.slots = pool, layer_idx, slots
+        self.states, self.layer_idx, self.slots = states, layer_idx, slots
         self.state = LinearAttentionLayer(number_of_states=MAX_STATES)
         if previous:
             for i in range(MAX_STATES):
-                conv = pool.gather(layer_idx, "conv", i, slots)
+                conv = states.gather("conv", i, slots)
                 if conv is not None:
                     self.state.conv_states[i] = conv
                     self.state.conv_kernel_size[i] = conv.shape[-1]
                     self.state.is_conv_states_initialized[i] = True
                     self.state.device, self.state.dtype = conv.device, conv.dtype
-                recurrent = pool.gather(layer_idx, "recurrent", i, slots)
+                recurrent = states.gather("recurrent", i, slots)
                 if recurrent is not None:
                     self.state.recurrent_states[i] = recurrent
                     self.state.is_recurrent_states_initialized[i] = True
@@ -267,9 +272,9 @@ class _SegmentCache:
     def store(self) -> None:
         for i in range(MAX_STATES):
             if self.state.is_conv_states_initialized[i]:
-                self.pool.scatter(self.layer_idx, "conv", i, self.slots, self.state.conv_states[i])
+                self.states.scatter("conv", i, self.slots, self.state.conv_states[i])
             if self.state.is_recurrent_states_initialized[i]:
-                self.pool.scatter(self.layer_idx, "recurrent", i, self.slots, self.state.recurrent_states[i])
+                self.states.scatter("recurrent", i, self.slots, self.state.recurrent_states[i])
 
 
 def _forward_source(cls: type) -> str:
@@ -304,16 +309,18 @@ class _PerSequenceState:
         cache = kwargs.get(name) if name is not None else None
         if cache is None or cache.layout is None or cache.states is None:
             return super().forward(hidden_states, *args, **kwargs)
-        layout, pool = cache.layout, cache.states
+        layout = cache.layout
+        if isinstance(cache, LayerPools):  # a compiled layer's: its states its graph's input, its index never read
+            states, layer = cache.states, None  # (so that the layers of its kind share the graph)
+        else:
+            states, layer = cache.states.of_layer(self.layer_idx), self.layer_idx
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = None  # a padding mask for one batch; the row has no padding
         if torch.compiler.is_compiling():
             # a compiled decode step (server.engine.compiled: steps whose every sequence continues its state,
             # padded, the padding rows' states in the pool's scratch slot): the row as one batch of
             # one-token sequences, in row order, their states gathered and scattered by slot
-            # a compiled layer's graph (its states its input, shared by the layers of its kind) never reads its index
-            layer = None if isinstance(cache, LayerPools) else self.layer_idx
-            segment_cache = _SegmentCache(pool, layer, layout.state_slots_S, True)
+            segment_cache = _SegmentCache(states, layer, layout.state_slots_S, True)
             result = super().forward(hidden_states.transpose(0, 1), *args, **{**kwargs, name: segment_cache})
             segment_cache.store()
             return result.transpose(0, 1)
@@ -321,7 +328,7 @@ class _PerSequenceState:
 
         def run(rows: torch.Tensor, segment: torch.Tensor, slots: torch.Tensor, previous: bool):
             nonlocal out
-            segment_cache = _SegmentCache(pool, self.layer_idx, slots, previous)
+            segment_cache = _SegmentCache(states, layer, slots, previous)
             result = super(_PerSequenceState, self).forward(segment, *args, **{**kwargs, name: segment_cache})
             segment_cache.store()
             if out is None:
