@@ -105,7 +105,7 @@ def _dequantized_packed(proj: str):
         if zero_points is not None:
             zero_points = _routed(self, zero_points)
             tensors["weight_zero_point"] = zero_points.reshape(-1, zero_points.shape[-1])
-        weight = self.packed_compressor.decompress(tensors, self.linear_format.scheme)["weight"]
+        weight = self.linear_compressor.decompress(tensors, self.linear_format.scheme)["weight"]
         return weight.reshape(experts, rows, columns).to(self.experts_dtype)
 
     return property(weight, doc=f"``{proj}`` of the routed experts, decompressed from their packed codes and scales")
@@ -435,16 +435,11 @@ def quantize_linear_experts(model: nn.Module, plan, fused: dict[str, tuple[list[
             fmt, parts_of, columns_of, rows_of
         kind = fmt.kind.upper()
         what = f"{fmt.describe()} experts"
-        if fmt.kind == "pack-quantized":
+        if fmt.kind in ("pack-quantized", "int-quantized", "float-quantized"):
             from compressed_tensors.compressors import BaseCompressor
 
-            module.packed_compressor = BaseCompressor.get_value_from_registry(fmt.kind)  # resolved once
-            kind = "Packed"
-        elif fmt.kind in ("int-quantized", "float-quantized"):
-            from compressed_tensors.compressors import BaseCompressor
-
-            module.linear_compressor = BaseCompressor.get_value_from_registry(fmt.kind)
-            kind = "Scaled"
+            module.linear_compressor = BaseCompressor.get_value_from_registry(fmt.kind)  # resolved once
+            kind = "Packed" if fmt.kind == "pack-quantized" else "Scaled"
             if fmt.scheme.input_activations is not None:  # no experts forward takes quantized inputs
                 what = f"{fmt.describe()} experts, their activations unquantized"
         module.__class__ = _quantized_class(type(module), kind, tuple(projections), _expert_biases(module))
