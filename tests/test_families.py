@@ -29,6 +29,9 @@ def _config(family: str, vocab: int = 300):
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0,
                   eos_token_id=0, pad_token_id=0)
+    hybrid = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    delta_net = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                     linear_conv_kernel_dim=4)
     mamba2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
                   mamba_chunk_size=16)  # the Mamba2 mixers of Bamba, Granite-4 hybrid, Falcon-H1
     served = {
@@ -134,13 +137,40 @@ def _config(family: str, vocab: int = 300):
                                        expert_layer_period=2, expert_layer_offset=1, num_experts=4,
                                        num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
                                        use_mamba_kernels=False),
+        # gated delta-net beside attention: Qwen3.5 dense, and Qwen3.5-MoE as its checkpoints ship (an
+        # image-text config and layout; its text served, IMAGE_TEXT_LAYOUT)
+        "qwen3_5": lambda: T.Qwen3_5TextConfig(**{**common, "num_hidden_layers": 4}, head_dim=16, layer_types=hybrid,
+                                              **delta_net),
+        "qwen3_5_moe": lambda: T.Qwen3_5MoeConfig(
+            text_config=dict(**{**common, "num_hidden_layers": 4}, head_dim=16, layer_types=hybrid, **delta_net,
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=32),
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+            image_token_id=vocab - 4, video_token_id=vocab - 3, vision_start_token_id=vocab - 2,
+            vision_end_token_id=vocab - 1),
+        # Kimi Linear: Kimi delta attention beside multi-head latent attention, experts
+        "kimi_linear": lambda: T.KimiLinearConfig(
+            **{**common, "num_hidden_layers": 4, "num_key_value_heads": 4}, layer_types=hybrid, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, num_local_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, linear_head_dim=16, linear_num_heads=4),
+        # Ling/Ring linear (a delta attention with a forget gate) beside attention, experts; all heads keyed
+        # (transformers' eager reference of this family fails with grouped keys)
+        "bailing_hybrid": lambda: T.BailingHybridConfig(**{**common, "num_hidden_layers": 4,
+                                                           "num_key_value_heads": 4}, layer_types=hybrid),
+        # gated delta-net beside full and sliding-window attention, experts
+        "lara_mini": lambda: T.LaraMiniConfig(**{**common, "num_hidden_layers": 4}),
+        # Mamba2 layers, and hybrid layers that add a shared attention block over the concatenated embeddings
+        # (Zamba: transformers builds it from two hybrid layers up, so 12 layers)
+        "zamba": lambda: T.ZambaConfig(**{**common, "num_hidden_layers": 12, "num_key_value_heads": 4}),
+        "zamba2": lambda: T.Zamba2Config(**{**common, "num_hidden_layers": 4}, use_mamba_kernels=False,
+                                         layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
         "falcon_40b": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
                                              num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
                                              bos_token_id=0, eos_token_id=0, pad_token_id=0),
     }
     refused = {
-        "zamba2": lambda: T.Zamba2Config(**{**common, "num_hidden_layers": 4}, use_mamba_kernels=False,
-                                         layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
+        "zaya": lambda: T.ZayaConfig(**common),
+        "qwen4_exp": lambda: T.Qwen4ExpTextConfig(**{**common, "num_hidden_layers": 4}),
         "rwkv": lambda: T.RwkvConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2),
         "t5": lambda: T.T5Config(vocab_size=vocab, d_model=64),
         "gemma3_dynamic_rope_per_layer_type": lambda: T.Gemma3TextConfig(**common, head_dim=16, rope_parameters={
@@ -151,13 +181,18 @@ def _config(family: str, vocab: int = 300):
 
 
 STATEFUL = ["lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h",
-            "falcon_h1", "mamba", "falcon_mamba", "jamba"]
+            "falcon_h1", "mamba", "falcon_mamba", "jamba", "qwen3_5", "qwen3_5_moe", "kimi_linear", "bailing_hybrid",
+            "lara_mini", "zamba", "zamba2"]
 """The hybrid and state-space families (server.engine.state)."""
 SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "olmo2", "granite",
           "cohere", "gpt_neox", "gpt2", "gpt_oss", "qwen3_moe", "mixtral", "llama_dynamic_rope", "phi3_longrope",
           "deepseek_v3", "deepseek_v2", "bloom", "mpt", "falcon", "falcon_40b", "falcon_rw", *STATEFUL]
+IMAGE_TEXT_LAYOUT = {"qwen3_5_moe"}
+"""Families whose checkpoints are written as their image-text model writes them (``model.language_model.*``
+beside ``model.visual.*``): the text model is served from it, the vision tower not read."""
 REFUSED = {
-    "zamba2": "recurrent or convolution state",
+    "zaya": "recurrent or convolution state",
+    "qwen4_exp": "indexed_attention",
     "rwkv": "recurrent or convolution state",
     "t5": "encoder-decoder",
     "gemma3_dynamic_rope_per_layer_type": "rope_type 'dynamic' for one layer type of several",
@@ -222,7 +257,7 @@ def test_engine_matches_generate(family):
     reference = AutoModelForCausalLM.from_config(config, attn_implementation=_reference_attention(family)).eval()
     reference.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (21, 34)]
+    prompts = [torch.randint(3, config.get_text_config().vocab_size, (n,), generator=gen).tolist() for n in (21, 34)]
     expected = _reference_tokens(reference, prompts, 8)
     harness = Harness(model, blocks=64, block_size=4, prefill=16)
     harness.scheduler.eos_token_ids = set()
@@ -369,7 +404,7 @@ def test_recurrent_state_is_each_sequences_own(family, monkeypatch):
     reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     reference.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (9, 30, 13, 40, 1, 21)]
+    prompts = [torch.randint(3, config.get_text_config().vocab_size, (n,), generator=gen).tolist() for n in (9, 30, 13, 40, 1, 21)]
     expected = _reference_tokens(reference, prompts, 12)
 
     def served(blocks: int):
@@ -457,13 +492,14 @@ def test_length_dependent_rope_is_each_sequences_own(family, small_pool):
 
 
 def _write(family: str, path) -> str:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from tests.checkpoints import tokenizer
 
     tok = tokenizer()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(family, vocab=len(tok)))
+    auto = AutoModelForImageTextToText if family in IMAGE_TEXT_LAYOUT else AutoModelForCausalLM
+    model = auto.from_config(_config(family, vocab=len(tok)))
     model.save_pretrained(path, max_shard_size="200KB")
     tok.save_pretrained(path)
     return str(path)
@@ -472,25 +508,28 @@ def _write(family: str, path) -> str:
 PROMPTS = ["Once upon a time there was a server that never hung, and it served every request",
            "The quick brown fox jumps over the lazy dog while the ranks gather their shards"]
 NEW_TOKENS = 10
-THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3", "bloom", "falcon_rw", "lfm2", "qwen3_next", "jamba"]
+THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3", "bloom", "falcon_rw", "lfm2", "qwen3_next", "jamba",
+                      "qwen3_5_moe"]
 """The families also served through HTTP: plain attention; soft-capping with alternating windows;
 experts; multi-head latent attention (its latents cached: /info says what a token costs); ALiBi
 through an adapter (server.engine.adapters), Bloom's and Falcon-RW's bf16-rounded bias; a hybrid's per-sequence state (server.engine.state:
-only its attention layers cache keys and values). The server adds nothing per family (the same load, residency and engine as the 2-rank
+only its attention layers cache keys and values); Qwen3.5-MoE's text from its image-text checkpoint. The server adds nothing per family (the same load, residency and engine as the 2-rank
 test below), so the others are checked below the HTTP layer, in one process group."""
 
 
 def _expected(path, family: str) -> list[list[int]]:
-    """Greedy generate of the unsharded model (eager attention but where REFERENCE_ATTENTION says)
-    for PROMPTS, stopping at EOS 0."""
+    """Greedy generate of the unsharded model (eager attention but where REFERENCE_ATTENTION says;
+    the image-text model for IMAGE_TEXT_LAYOUT) for PROMPTS, stopping at EOS 0."""
     from transformers import AutoModelForCausalLM
 
     from tests.checkpoints import tokenizer
 
     import copy
 
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                     attn_implementation=_reference_attention(family)).eval()
+    from transformers import AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if family in IMAGE_TEXT_LAYOUT else AutoModelForCausalLM
+    reference = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=_reference_attention(family)).eval()
     expected = []
     for prompt in PROMPTS:
         ids = tokenizer()(prompt, return_tensors="pt").input_ids
@@ -569,7 +608,7 @@ def test_server_on_two_ranks_matches_generate(family, tmp_path):
         info = server.client.get("/info").json()
         reads = [r["load_bytes_read"] for r in info["ranks"]]
     assert got == expected
-    config = _config(family)
+    config = _config(family).get_text_config()
     if family == "deepseek_v3":  # the latent and the rope key, float32: (16 + 8) x 4 bytes a token a layer
         assert info["kv_cache"]["layout"] == "latent" and info["kv_cache"]["bytes_per_token_per_layer"] == 96
     elif family == "lfm2":  # its 2 attention layers of 4 cache keys and values; the conv layers keep a state
@@ -636,13 +675,13 @@ def test_moe_checkpoint_in_hub_layout_loads_with_a_share_of_the_bytes(family, tm
 
 def test_refused_before_anything_is_read(tmp_path):
     """A hybrid checkpoint still refused (its config alone: there are no weights to read) fails in one line."""
-    path = tmp_path / "zamba2"
-    _config("zamba2").save_pretrained(path)
+    path = tmp_path / "zaya"
+    _config("zaya").save_pretrained(path)
     proc = subprocess.run([sys.executable, "-m", "server", "--model", str(path), "--device", "cpu"], cwd=REPO,
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hsdp-serve: ")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
-    assert errors[0].startswith("hsdp-serve: Zamba2ForCausalLM is not served: its layers carry recurrent")
+    assert errors[0].startswith("hsdp-serve: ZayaForCausalLM is not served: its layers carry recurrent")
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])

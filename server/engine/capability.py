@@ -9,7 +9,8 @@ packs the tokens of many sequences into one row. A model is served only if both 
   attention code would bypass the cache;
 * nothing in a sequence's computation depends on the others packed beside it: recurrent and
   convolution state is kept per sequence (``server.engine.state``) for the stateful families
-  tested with it (LFM2, Qwen3-Next, Mamba2), the others are refused; rope factors that
+  tested with it (``SERVED_STATEFUL_MODEL_TYPES``: LFM2, Qwen3-Next, Qwen3.5, Mamba2, ...), the
+  others are refused; rope factors that
   transformers takes from the longest position in the batch (dynamic NTK, longrope) are chosen
   per sequence (``server.engine.rope``), except where a model has one rope per layer type;
 
@@ -27,7 +28,8 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "atten
 
 STATEFUL_MODEL_TYPES = frozenset({
     "mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "granitemoehybrid",
-    "lfm2", "lfm2_moe", "recurrent_gemma", "rwkv", "qwen3_next", "nemotron_h", "minimax", "xlstm",
+    "lfm2", "lfm2_moe", "recurrent_gemma", "rwkv", "qwen3_next", "nemotron_h", "minimax", "xlstm", "qwen3_5_text",
+    "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid", "lara_mini", "zaya", "glm5_next_text",
 })
 """Families whose layers carry recurrent or convolution state (state-space models and hybrids)."""
 
