@@ -153,22 +153,24 @@ def _config(family: str, vocab: int = 300):
             **{**common, "num_hidden_layers": 4, "num_key_value_heads": 4}, layer_types=hybrid, kv_lora_rank=16,
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, num_local_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, linear_head_dim=16, linear_num_heads=4),
-        # Ling/Ring linear (a delta attention with a forget gate) beside attention, experts; all heads keyed
-        # (transformers' eager reference of this family fails with grouped keys)
-        "bailing_hybrid": lambda: T.BailingHybridConfig(**{**common, "num_hidden_layers": 4,
-                                                           "num_key_value_heads": 4}, layer_types=hybrid),
+        # Ling/Ring linear (a delta attention with a forget gate) beside latent attention, experts
+        "bailing_hybrid": lambda: T.BailingHybridConfig(
+            **{**common, "num_hidden_layers": 4, "num_key_value_heads": 4}, layer_types=hybrid, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, linear_head_dim=16, n_group=1, topk_group=1),
         # gated delta-net beside full and sliding-window attention, experts
-        "lara_mini": lambda: T.LaraMiniConfig(**{**common, "num_hidden_layers": 4}),
-        # Mamba2 layers, and hybrid layers that add a shared attention block over the concatenated embeddings
-        # (Zamba: transformers builds it from two hybrid layers up, so 12 layers)
-        "zamba": lambda: T.ZambaConfig(**{**common, "num_hidden_layers": 12, "num_key_value_heads": 4}),
-        "zamba2": lambda: T.Zamba2Config(**{**common, "num_hidden_layers": 4}, use_mamba_kernels=False,
-                                         layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
+        "lara_mini": lambda: T.LaraMiniConfig(**{**common, "num_hidden_layers": 4}, head_dim=16, **delta_net,
+                                              sliding_window=WINDOW, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, shared_expert_intermediate_size=32),
         "falcon_40b": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
                                              num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
                                              bos_token_id=0, eos_token_id=0, pad_token_id=0),
     }
     refused = {
+        "zamba2": lambda: T.Zamba2Config(**{**common, "num_hidden_layers": 4}, use_mamba_kernels=False,
+                                         layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
+        # (transformers builds it from two hybrid layers up, so 12 layers)
+        "zamba": lambda: T.ZambaConfig(**{**common, "num_hidden_layers": 12, "num_key_value_heads": 4}),
         "zaya": lambda: T.ZayaConfig(**common),
         "qwen4_exp": lambda: T.Qwen4ExpTextConfig(**{**common, "num_hidden_layers": 4}),
         "rwkv": lambda: T.RwkvConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2),
@@ -182,7 +184,7 @@ def _config(family: str, vocab: int = 300):
 
 STATEFUL = ["lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h",
             "falcon_h1", "mamba", "falcon_mamba", "jamba", "qwen3_5", "qwen3_5_moe", "kimi_linear", "bailing_hybrid",
-            "lara_mini", "zamba", "zamba2"]
+            "lara_mini"]
 """The hybrid and state-space families (server.engine.state)."""
 SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "olmo2", "granite",
           "cohere", "gpt_neox", "gpt2", "gpt_oss", "qwen3_moe", "mixtral", "llama_dynamic_rope", "phi3_longrope",
@@ -191,6 +193,8 @@ IMAGE_TEXT_LAYOUT = {"qwen3_5_moe"}
 """Families whose checkpoints are written as their image-text model writes them (``model.language_model.*``
 beside ``model.visual.*``): the text model is served from it, the vision tower not read."""
 REFUSED = {
+    "zamba": "tie their shared attention block",
+    "zamba2": "tie their shared attention block",
     "zaya": "recurrent or convolution state",
     "qwen4_exp": "indexed_attention",
     "rwkv": "recurrent or convolution state",

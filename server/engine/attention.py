@@ -282,6 +282,9 @@ class LayerPools:
         self.layout, self.pools, self.states = layout, pools, states
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if len(self.pools) == 1:  # an MLA layer's latents and rope keys, as PagedKVCache.update writes them
+            return _write_latent_step(layer_idx, self.layout, torch.cat((key_states, value_states), dim=-1),
+                                      self.pools[0], key_states.shape[-1])
         return _write_step(layer_idx, self.layout, key_states, value_states, *self.pools)
 
 

@@ -3,7 +3,7 @@
 transformers' stateful layers (LFM2's short convolutions; the gated delta-nets of Qwen3-Next,
 Qwen3.5 and its MoE, OLMo-Hybrid and LaraMini; Kimi Linear's delta attention, Ling/Ring-linear's
 (``bailing_hybrid``); the Mamba-1 and Mamba2 mixers of Mamba, Jamba, Bamba, Granite-4 hybrid,
-Nemotron-H, Falcon-H1, Zamba and Zamba2) keep a convolution window and a recurrent (SSM or delta-net) state
+Nemotron-H and Falcon-H1) keep a convolution window and a recurrent (SSM or delta-net) state
 per sequence in their cache, through one interface: ``get_conv_state`` / ``update_conv_state`` /
 ``get_recurrent_state`` / ``update_recurrent_state`` / ``is_recording_past``, the semantics of
 ``transformers.cache_utils.LinearAttentionLayer``. Their code assumes a batch of sequences of
@@ -51,7 +51,6 @@ convolution in some)."""
 SERVED_STATEFUL_MODEL_TYPES = frozenset({
     "lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1",
     "mamba", "falcon_mamba", "jamba", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid", "lara_mini",
-    "zamba", "zamba2",
 })
 """Stateful families the engine serves (each tested against transformers' generate)."""
 STATEFUL_LAYER_TYPES = frozenset({"conv", "linear_attention", "mamba"})
