@@ -41,12 +41,24 @@ def image_text_only(config) -> bool:
     return type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
 
+IMAGE_TEXT_WITH_A_TEXT_CLASS = frozenset({"qwen3_5", "qwen3_5_moe"})
+"""Image-text families whose config transformers also maps to a text-only causal LM ("VLM
+compatibility"), built image-text here: their images are served (``server.engine.multimodal``)."""
+
+
+def builds_image_text(config) -> bool:
+    """Whether the loader builds ``config``'s model with its vision encoder: an :func:`image_text_only`
+    model, or one of :data:`IMAGE_TEXT_WITH_A_TEXT_CLASS` whose config has a vision tower."""
+    return image_text_only(config) or (getattr(config, "model_type", None) in IMAGE_TEXT_WITH_A_TEXT_CLASS
+                                       and getattr(config, "vision_config", None) is not None)
+
+
 def auto_model_class(config):
-    """The Auto class that builds ``config``'s model: ``AutoModelForCausalLM``, or for an
-    :func:`image_text_only` model ``AutoModelForImageTextToText``, which keeps its vision encoder."""
+    """The Auto class that builds ``config``'s model: ``AutoModelForCausalLM``, or for a model
+    :func:`builds_image_text` ``AutoModelForImageTextToText``, which keeps its vision encoder."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText if image_text_only(config) else AutoModelForCausalLM
+    return AutoModelForImageTextToText if builds_image_text(config) else AutoModelForCausalLM
 
 
 def build_skeleton(config, model_class, dtype: torch.dtype) -> nn.Module:

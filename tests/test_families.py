@@ -138,7 +138,7 @@ def _config(family: str, vocab: int = 300):
                                        num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
                                        use_mamba_kernels=False),
         # gated delta-net beside attention: Qwen3.5 dense, and Qwen3.5-MoE as its checkpoints ship (an
-        # image-text config and layout; its text served, IMAGE_TEXT_LAYOUT)
+        # image-text config and layout, IMAGE_TEXT_LAYOUT; its images: tests/test_vision_qwen.py)
         "qwen3_5": lambda: T.Qwen3_5TextConfig(**{**common, "num_hidden_layers": 4}, head_dim=16, layer_types=hybrid,
                                               **delta_net),
         "qwen3_5_moe": lambda: T.Qwen3_5MoeConfig(
@@ -191,7 +191,8 @@ SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "ph
           "deepseek_v3", "deepseek_v2", "bloom", "mpt", "falcon", "falcon_40b", "falcon_rw", *STATEFUL]
 IMAGE_TEXT_LAYOUT = {"qwen3_5_moe"}
 """Families whose checkpoints are written as their image-text model writes them (``model.language_model.*``
-beside ``model.visual.*``): the text model is served from it, the vision tower not read."""
+beside ``model.visual.*``), and whose reference is that model's ``generate`` (the loader builds it
+image-text too: ``loaders.skeleton.builds_image_text``)."""
 REFUSED = {
     "zamba": "tie their shared attention block",
     "zamba2": "tie their shared attention block",
@@ -512,12 +513,11 @@ def _write(family: str, path) -> str:
 PROMPTS = ["Once upon a time there was a server that never hung, and it served every request",
            "The quick brown fox jumps over the lazy dog while the ranks gather their shards"]
 NEW_TOKENS = 10
-THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3", "bloom", "falcon_rw", "lfm2", "qwen3_next", "jamba",
-                      "qwen3_5_moe"]
+THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3", "bloom", "falcon_rw", "lfm2", "qwen3_next", "jamba"]
 """The families also served through HTTP: plain attention; soft-capping with alternating windows;
 experts; multi-head latent attention (its latents cached: /info says what a token costs); ALiBi
 through an adapter (server.engine.adapters), Bloom's and Falcon-RW's bf16-rounded bias; a hybrid's per-sequence state (server.engine.state:
-only its attention layers cache keys and values); Qwen3.5-MoE's text from its image-text checkpoint. The server adds nothing per family (the same load, residency and engine as the 2-rank
+only its attention layers cache keys and values) (Qwen3.5-MoE's through the server: tests/test_vision_qwen.py). The server adds nothing per family (the same load, residency and engine as the 2-rank
 test below), so the others are checked below the HTTP layer, in one process group."""
 
 

@@ -333,7 +333,7 @@ def test_other_image_text_families_are_refused_before_loading():
     from server.engine.capability import UnsupportedModelError, check_servable
 
     with pytest.raises(UnsupportedModelError, match="image-text families served are gemma3, idefics3, internvl, "
-                       "llava, llava_next, llava_onevision, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm"):
+                       "llava, llava_next, llava_onevision, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl, smolvlm"):
         check_servable(PaliGemmaConfig())
     from transformers import LlavaConfig, PixtralVisionConfig
 

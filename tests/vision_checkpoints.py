@@ -433,6 +433,16 @@ def make_qwen_vl_config(model_type: str, tok):
         cls, vision = Qwen3VLConfig, dict(vision, patch_size=16, hidden_size=32, intermediate_size=64,
                                           out_hidden_size=64, num_position_embeddings=64, deepstack_visual_indexes=[0])
         text.update(head_dim=16)
+    elif model_type == "qwen3_5_moe":  # Qwen3-VL's tower; gated delta-net and attention layers, experts
+        from transformers import Qwen3_5MoeConfig
+
+        text["rope_parameters"] = dict(text["rope_parameters"], mrope_interleaved=True, partial_rotary_factor=1.0)
+        text.update(head_dim=16, num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+                    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=32)
+        cls, vision = Qwen3_5MoeConfig, dict(vision, patch_size=16, hidden_size=32, intermediate_size=64,
+                                             out_hidden_size=64, num_position_embeddings=64)
     else:
         raise ValueError(model_type)
     return cls(text_config=text, vision_config=vision, image_token_id=token("<|image_pad|>"),
@@ -465,7 +475,7 @@ def write_qwen_vl_checkpoint(path, model_type: str = "qwen2_vl", *, seed: int = 
             if "merger" in name and name.endswith("weight") and param.dim() == 2:
                 param.normal_(0.0, PROJECTOR_STD)
     state_dict = model.state_dict()
-    if model_type != "qwen3_vl":
+    if model_type not in ("qwen3_vl", "qwen3_5_moe"):
         state_dict = {_rename(k, QWEN_HUB_PREFIXES): v for k, v in state_dict.items()}
     path = str(path)
     model.save_pretrained(path, state_dict=state_dict, max_shard_size=max_shard_size, save_original_format=False)

@@ -78,10 +78,10 @@ def check_servable(config, model_class=None) -> None:
             "attention; recurrent, convolution and chunked layers are not kept per sequence)")
     if model_class is None:
         model_class = _causal_lm_class(config, architecture)
-    from loaders.skeleton import image_text_only
+    from loaders.skeleton import builds_image_text
     from server.engine.multimodal import SERVED_IMAGE_TEXT_MODEL_TYPES
 
-    takes_images = image_text_only(config)
+    takes_images = builds_image_text(config)
     if takes_images and config.model_type not in SERVED_IMAGE_TEXT_MODEL_TYPES:
         raise UnsupportedModelError(
             architecture, "its images are not computed by the engine: the image-text families served are "

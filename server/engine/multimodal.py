@@ -77,6 +77,8 @@ IMAGE_FAMILIES = {
     "qwen2_vl": ImageFamily(),
     "qwen2_5_vl": ImageFamily(),
     "qwen3_vl": ImageFamily(),
+    "qwen3_5": ImageFamily(),  # (its text layers carry state: server.engine.state)
+    "qwen3_5_moe": ImageFamily(),
     "gemma3": ImageFamily(bidirectional=True, tensor_features=True),
     "idefics3": ImageFamily(tiles=True),
     "smolvlm": ImageFamily(tiles=True),
