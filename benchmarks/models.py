@@ -56,6 +56,20 @@ def deep_tiny_lfm2_checkpoint(out_dir: str | None = None) -> str:
                        num_key_value_heads=2, layer_types=layer_types)
 
 
+def deep_tiny_qwen3_5_checkpoint(out_dir: str | None = None) -> str:
+    """:func:`deep_tiny_checkpoint`'s shape as a Qwen3.5 hybrid: of its 24 layers, three gated
+    delta-nets (a convolution window and a recurrent state per sequence: ``server.engine.state``) to
+    one attention layer, as Qwen3.5's own; delta-net heads 2 of 32 for keys and values."""
+    from transformers import Qwen3_5TextConfig
+
+    layer_types = ["linear_attention"] * 3 + ["full_attention"]
+    return _checkpoint(out_dir or "bench-qwen3_5-24x64-v1", Qwen3_5TextConfig, max_shard_size="2MB",
+                       dtype=torch.float32, hidden_size=64, intermediate_size=128, num_hidden_layers=24,
+                       num_attention_heads=2, num_key_value_heads=2, head_dim=32, layer_types=layer_types * 6,
+                       linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=32,
+                       linear_value_head_dim=32)
+
+
 def mla_checkpoint(out_dir: str | None = None) -> str:
     """A DeepSeek-V3-shaped model of :data:`PAIR_SHAPE`: latent 128 + rope key 32 cached a token a
     layer (160 values), a low-rank query (384), heads of 64 + 32 and values of 64; dense layers only
