@@ -414,7 +414,9 @@ QWEN_PIXELS = (56 * 56, 84 * 84)  # the image processor's min_pixels and max_pix
 def make_qwen_vl_config(model_type: str, tok):
     """A Qwen2-VL or Qwen2.5-VL config: text hidden 64 (4 heads of 16, 2 KV heads, 3 layers, the 3-D
     rope's sections [2, 3, 3]); vision hidden 32, 2 blocks, 14x14 patches, 2x2 merged (Qwen2.5-VL's
-    second block attends over the whole image, its first within 28-pixel windows)."""
+    second block attends over the whole image, its first within 28-pixel windows); Qwen3-VL and Qwen3.5
+    with 16x16 patches, Qwen3.5's 4 text layers gated delta-nets and attention in turn (and experts:
+    "qwen3_5_moe")."""
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
     token = tok.convert_tokens_to_ids
@@ -433,16 +435,18 @@ def make_qwen_vl_config(model_type: str, tok):
         cls, vision = Qwen3VLConfig, dict(vision, patch_size=16, hidden_size=32, intermediate_size=64,
                                           out_hidden_size=64, num_position_embeddings=64, deepstack_visual_indexes=[0])
         text.update(head_dim=16)
-    elif model_type == "qwen3_5_moe":  # Qwen3-VL's tower; gated delta-net and attention layers, experts
-        from transformers import Qwen3_5MoeConfig
+    elif model_type in ("qwen3_5", "qwen3_5_moe"):  # Qwen3-VL's tower; gated delta-net and attention layers
+        from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
         text["rope_parameters"] = dict(text["rope_parameters"], mrope_interleaved=True, partial_rotary_factor=1.0)
         text.update(head_dim=16, num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
                     linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                    linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                    shared_expert_intermediate_size=32)
-        cls, vision = Qwen3_5MoeConfig, dict(vision, patch_size=16, hidden_size=32, intermediate_size=64,
-                                             out_hidden_size=64, num_position_embeddings=64)
+                    linear_conv_kernel_dim=4)
+        if model_type == "qwen3_5_moe":  # and experts
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+        cls = Qwen3_5MoeConfig if model_type == "qwen3_5_moe" else Qwen3_5Config
+        vision = dict(vision, patch_size=16, hidden_size=32, intermediate_size=64, out_hidden_size=64,
+                      num_position_embeddings=64)
     else:
         raise ValueError(model_type)
     return cls(text_config=text, vision_config=vision, image_token_id=token("<|image_pad|>"),
@@ -456,8 +460,8 @@ QWEN_HUB_PREFIXES = {"model.language_model.": "model.", "model.visual.": "visual
 
 
 def write_qwen_vl_checkpoint(path, model_type: str = "qwen2_vl", *, seed: int = 0, max_shard_size="40KB") -> str:
-    """Save a random-weight Qwen2-VL (``model_type`` "qwen2_vl"), Qwen2.5-VL ("qwen2_5_vl") or Qwen3-VL
-    ("qwen3_vl") under the hub's tensor names (:data:`QWEN_HUB_PREFIXES`, Qwen3-VL's transformers' own), its image processor,
+    """Save a random-weight Qwen2-VL (``model_type`` "qwen2_vl"), Qwen2.5-VL ("qwen2_5_vl"), Qwen3-VL
+    ("qwen3_vl") or Qwen3.5 ("qwen3_5", "qwen3_5_moe": transformers' own names too) under the hub's tensor names (:data:`QWEN_HUB_PREFIXES`, Qwen3-VL's transformers' own), its image processor,
     tokenizer and chat template."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -475,7 +479,7 @@ def write_qwen_vl_checkpoint(path, model_type: str = "qwen2_vl", *, seed: int = 
             if "merger" in name and name.endswith("weight") and param.dim() == 2:
                 param.normal_(0.0, PROJECTOR_STD)
     state_dict = model.state_dict()
-    if model_type not in ("qwen3_vl", "qwen3_5_moe"):
+    if model_type not in ("qwen3_vl", "qwen3_5", "qwen3_5_moe"):
         state_dict = {_rename(k, QWEN_HUB_PREFIXES): v for k, v in state_dict.items()}
     path = str(path)
     model.save_pretrained(path, state_dict=state_dict, max_shard_size=max_shard_size, save_original_format=False)
