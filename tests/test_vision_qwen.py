@@ -1,4 +1,4 @@
-"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5-MoE images (``server.engine.multimodal.GridRope``): a tiny random
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 images (``server.engine.multimodal.GridRope``): a tiny random
 Qwen2-VL (hub tensor names, its processor assembled from its parts) and Qwen3-VL (deepstack: image
 features added in its first decoder layer too) each on 2 ranks with its tower sharded, and a
 Qwen2.5-VL (window attention in its tower) on a 2x2 mesh and with ``--mm-encoder replicate``.
@@ -191,13 +191,14 @@ def test_compiled_decode_takes_the_grid_offset(checkpoints):
             _assert_same(_answer(server, _parts(*images)), _expect(server, images))
 
 
-def test_qwen3_5_moe_images_with_its_stateful_layers(tmp_path):
-    """Qwen3.5-MoE (its config also maps to a text-only class: built image-text here,
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_images_with_its_stateful_layers(tmp_path, family):
+    """Qwen3.5 and Qwen3.5-MoE (their configs also map to a text-only class: built image-text here,
     ``loaders.skeleton.builds_image_text``): Qwen3-VL's tower, gated delta-net layers whose state is
-    each sequence's own (``server.engine.state``) beside attention, experts; on 2 ranks, the tower
-    sharded. One image, two of different grids, and an image request beside a text-only one at
+    each sequence's own (``server.engine.state``) beside attention (and experts); on 2 ranks, the
+    tower sharded. One image, two of different grids, and an image request beside a text-only one at
     once: each answer equal to transformers' image-text ``generate``."""
-    path = write_qwen_vl_checkpoint(tmp_path / "qwen3_5_moe", "qwen3_5_moe")
+    path = write_qwen_vl_checkpoint(tmp_path / family, family)
     server = ServerProcess(path, extra_args=("--kv-cache-memory", "8MiB", "--kv-block-size", "4"),
                            log_path=tmp_path / "server.log")
     server.path = path
