@@ -162,6 +162,10 @@ def _config(family: str, vocab: int = 300):
         "lara_mini": lambda: T.LaraMiniConfig(**{**common, "num_hidden_layers": 4}, head_dim=16, **delta_net,
                                               sliding_window=WINDOW, num_experts=4, num_experts_per_tok=2,
                                               moe_intermediate_size=32, shared_expert_intermediate_size=32),
+        # lightning attention (one K^T V state, through MiniMax's own cache methods) beside attention, experts;
+        # blocks of 8 tokens in its prompt path
+        "minimax": lambda: T.MiniMaxConfig(**{**common, "num_hidden_layers": 4}, layer_types=hybrid, head_dim=16,
+                                           num_local_experts=4, num_experts_per_tok=2, block_size=8),
         "falcon_40b": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
                                              num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
                                              bos_token_id=0, eos_token_id=0, pad_token_id=0),
@@ -184,7 +188,7 @@ def _config(family: str, vocab: int = 300):
 
 STATEFUL = ["lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h",
             "falcon_h1", "mamba", "falcon_mamba", "jamba", "qwen3_5", "qwen3_5_moe", "kimi_linear", "bailing_hybrid",
-            "lara_mini"]
+            "lara_mini", "minimax"]
 """The hybrid and state-space families (server.engine.state)."""
 SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "olmo2", "granite",
           "cohere", "gpt_neox", "gpt2", "gpt_oss", "qwen3_moe", "mixtral", "llama_dynamic_rope", "phi3_longrope",

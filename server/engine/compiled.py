@@ -495,9 +495,10 @@ class CompiledDecode:
     def __init__(self, model: nn.Module, sizes, region: str = "layer", graph_dir: str | None = None):
         from shard_engine.direct import DirectForward
 
-        from server.engine.state import stateful
+        from server.engine.state import stateful, uses_cache
 
         self.stateful = stateful(model)  # its steps with prompt chunks or first states run eagerly
+        self.use_cache = uses_cache(model.config)  # the warm-up's forwards pass what the steps' pass
         try:
             self._direct = DirectForward(model)
         except ValueError as e:
@@ -759,7 +760,8 @@ class CompiledDecode:
         try:
             with torch.no_grad():
                 self.forward(threads=self.threads, input_ids=torch.tensor([ids], device=device),
-                             position_ids=torch.tensor([positions], device=device), cache=cache, use_cache=True,
+                             position_ids=torch.tensor([positions], device=device), cache=cache,
+                             use_cache=self.use_cache,
                              logits_to_keep=torch.tensor(keep, device=device), hsdp_paged=layout)
         except CompileUnavailable:
             raise

@@ -26,7 +26,7 @@ from server.engine.plan import PromptLogprobs, SequenceAdd, StepPlan, StepResult
 from server.engine.adapters import install as install_adapters, kv_heads as adapted_kv_heads
 from server.engine.capability import ATTENTION_LAYER_TYPES
 from server.engine.state import HYBRID_LAYER_TYPES, StatePool, StateShapes, install as install_state, \
-    is_stateful_config, state_shapes
+    is_stateful_config, state_shapes, uses_cache
 from server.engine.mla import install as install_mla, is_mla, latent_geometry
 from server.engine.multimodal import GridRope, ImageEncoder, placeholder_ids, takes_images
 from server.engine.rope import install as install_rope, sequence_lengths, token_lengths
@@ -196,6 +196,7 @@ class RankEngine:
     def __init__(self, model: nn.Module, device: torch.device, rank: int, *, num_blocks: int, block_size: int,
                  tokenizer=None, max_sequences: int = 64, states_per_sequence: StateShapes | None = None):
         self.model, self.device, self.rank = model, device, rank
+        self._use_cache = uses_cache(model.config)  # (False for a model that refuses any cache but its own)
         self.tokenizer = tokenizer  # for grammars (constrained decoding), built at their first use
         self._grammar_rows = None
         self.block_size = block_size
@@ -401,7 +402,7 @@ class RankEngine:
             out = forward(
                 input_ids=torch.tensor([ids], device=self.device),
                 cache=self.cache,
-                use_cache=True,
+                use_cache=self._use_cache,
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
                 hsdp_paged=layout,
                 **extra,

@@ -2,7 +2,8 @@
 
 transformers' stateful layers (LFM2's short convolutions; the gated delta-nets of Qwen3-Next,
 Qwen3.5 and its MoE, OLMo-Hybrid and LaraMini; Kimi Linear's delta attention, Ling/Ring-linear's
-(``bailing_hybrid``); the Mamba-1 and Mamba2 mixers of Mamba, Jamba, Bamba, Granite-4 hybrid,
+(``bailing_hybrid``); MiniMax's lightning attention (one state, through its own cache's
+``get_linear_cache`` / ``set_linear_cache``, mapped onto the same); the Mamba-1 and Mamba2 mixers of Mamba, Jamba, Bamba, Granite-4 hybrid,
 Nemotron-H and Falcon-H1) keep a convolution window and a recurrent (SSM or delta-net) state
 per sequence in their cache, through one interface: ``get_conv_state`` / ``update_conv_state`` /
 ``get_recurrent_state`` / ``update_recurrent_state`` / ``is_recording_past``, the semantics of
@@ -51,8 +52,20 @@ convolution in some)."""
 SERVED_STATEFUL_MODEL_TYPES = frozenset({
     "lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1",
     "mamba", "falcon_mamba", "jamba", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid", "lara_mini",
+    "minimax",
 })
 """Stateful families the engine serves (each tested against transformers' generate)."""
+OWN_CACHE_MODEL_TYPES = frozenset({"minimax"})
+"""Families whose model refuses, under ``use_cache``, any cache but its own class (MiniMax's): the
+engine calls them with ``use_cache=False`` (:func:`uses_cache`); their layers read the cache passed."""
+
+
+def uses_cache(config) -> bool:
+    """The ``use_cache`` the engine's forwards pass ``config``'s model (:data:`OWN_CACHE_MODEL_TYPES`)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "model_type", None) not in OWN_CACHE_MODEL_TYPES
+
+
 STATEFUL_LAYER_TYPES = frozenset({"conv", "linear_attention", "mamba"})
 """``layer_types`` entries of layers whose state :class:`StatePool` keeps."""
 HYBRID_LAYER_TYPES = frozenset({"hybrid"})
@@ -87,7 +100,10 @@ def state_shapes(model: nn.Module) -> StateShapes:
             continue
         name = _cache_argument(module)
         hidden = torch.empty((1, 3, config.get_text_config().hidden_size), dtype=dtype, device="meta")
-        module(hidden, **{name: _Recorder(shapes, layer)})
+        # (MiniMax's lightning attention takes the rope and mask it does not use positionally: None)
+        unused = {n: None for n in ("position_embeddings", "attention_mask")
+                  if n in inspect.signature(module.forward).parameters}
+        module(hidden, **unused, **{name: _Recorder(shapes, layer)})
     return shapes
 
 
@@ -128,6 +144,12 @@ class _Recorder:
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
         self.shapes[(self.layer, "recurrent", state_idx)] = (tuple(recurrent_states.shape[1:]), recurrent_states.dtype)
         return recurrent_states
+
+    def get_linear_cache(self, layer_idx: int):
+        return None
+
+    def set_linear_cache(self, layer_idx: int, state) -> None:
+        self.update_recurrent_state(state, layer_idx)
 
 
 class StatePool:
@@ -264,6 +286,13 @@ class _SegmentCache:
         self._check(layer_idx)
         return self.state.update_recurrent_state(recurrent_states, state_idx, **kwargs)
 
+    # MiniMax's lightning attention keeps one state (K^T V), through its own cache's pair
+    def get_linear_cache(self, layer_idx: int):
+        return self.get_recurrent_state(layer_idx)
+
+    def set_linear_cache(self, layer_idx: int, state: torch.Tensor) -> None:
+        self.update_recurrent_state(state, layer_idx)
+
     def is_recording_past(self, layer_idx: int | None = None) -> bool:
         return False
 
@@ -287,7 +316,7 @@ def _forward_source(cls: type) -> str:
 
 def _uses_state(cls: type) -> bool:
     source = _forward_source(cls)
-    return "get_conv_state" in source or "get_recurrent_state" in source
+    return "get_conv_state" in source or "get_recurrent_state" in source or "get_linear_cache" in source
 
 
 def _scans_from_zero(cls: type) -> bool:
@@ -324,14 +353,18 @@ class _PerSequenceState:
             segment_cache = _SegmentCache(states, layer, layout.state_slots_S, True)
             result = super().forward(hidden_states.transpose(0, 1), *args, **{**kwargs, name: segment_cache})
             segment_cache.store()
+            if isinstance(result, tuple):  # (output, the module's state): MiniMax's; its layer reads the output
+                return result[0].transpose(0, 1), None
             return result.transpose(0, 1)
-        out = None
+        out, tupled = None, False
 
         def run(rows: torch.Tensor, segment: torch.Tensor, slots: torch.Tensor, previous: bool):
-            nonlocal out
+            nonlocal out, tupled
             segment_cache = _SegmentCache(states, layer, slots, previous)
             result = super(_PerSequenceState, self).forward(segment, *args, **{**kwargs, name: segment_cache})
             segment_cache.store()
+            if isinstance(result, tuple):  # (output, the module's state): MiniMax's; its layer reads the output
+                result, tupled = result[0], True
             if out is None:
                 out = result.new_empty((1, hidden_states.shape[1], *result.shape[2:]))
             out[0, rows] = result.reshape(len(rows), *result.shape[2:])
@@ -355,7 +388,7 @@ class _PerSequenceState:
             run(rows, hidden_states[:, chunk.row:chunk.row + chunk.count], slot, previous)
         if out is None:  # a row of padding only (nothing of a sequence to compute)
             return super().forward(hidden_states, *args, **kwargs)
-        return out
+        return (out, None) if tupled else out
 
 
 _CLASSES: dict[type, type] = {}
