@@ -498,7 +498,7 @@ class CompiledDecode:
         from server.engine.state import stateful, uses_cache
 
         self.stateful = stateful(model)  # its steps with prompt chunks or first states run eagerly
-        self.use_cache = uses_cache(model.config)  # the warm-up's forwards pass what the steps' pass
+        self.use_cache = uses_cache(getattr(model, "config", None))  # what the steps pass (none: a plain module)
         try:
             self._direct = DirectForward(model)
         except ValueError as e:
