@@ -3,8 +3,8 @@
 transformers' stateful layers (LFM2's short convolutions; the gated delta-nets of Qwen3-Next,
 Qwen3.5 and its MoE, OLMo-Hybrid and LaraMini; Kimi Linear's delta attention, Ling/Ring-linear's
 (``bailing_hybrid``); MiniMax's lightning attention (one state, through its own cache's
-``get_linear_cache`` / ``set_linear_cache``, mapped onto the same); the Mamba-1 and Mamba2 mixers of Mamba, Jamba, Bamba, Granite-4 hybrid,
-Nemotron-H and Falcon-H1) keep a convolution window and a recurrent (SSM or delta-net) state
+``get_linear_cache`` / ``set_linear_cache``, mapped onto the same); the Mamba-1 and Mamba2
+mixers of Mamba, Jamba, Bamba, Granite-4 hybrid, Nemotron-H and Falcon-H1) keep a convolution window and a recurrent (SSM or delta-net) state
 per sequence in their cache, through one interface: ``get_conv_state`` / ``update_conv_state`` /
 ``get_recurrent_state`` / ``update_recurrent_state`` / ``is_recording_past``, the semantics of
 ``transformers.cache_utils.LinearAttentionLayer``. Their code assumes a batch of sequences of
