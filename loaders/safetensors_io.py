@@ -1,16 +1,21 @@
-"""Read rows of tensors from a safetensors file with positioned reads.
+"""Read rows of tensors from a safetensors file: positioned reads, or views of a private mapping.
 
-We parse the header ourselves and ``pread`` exactly the bytes of the rows a rank owns into
-memory we allocate. ``safe_open(...).get_slice`` reads the same rows, but through a memory
-map whose touched pages stay in the process's resident set until the file is closed: a
-rank reading its half of a large file would count that half twice.
+We parse the header ourselves and either ``pread`` exactly the bytes of the rows a rank owns into
+memory we allocate (:func:`read_rows`), or hand out those rows as views of a private,
+copy-on-write mapping of the file (:func:`map_file`, :func:`mapped_rows`): the rows then are the
+page cache's own pages, mapped into the process once (nothing zeroed, nothing copied), and they
+stay only as long as a tensor holds them. ``safe_open(...).get_slice`` maps too, but copies the
+rows out of its map and keeps the touched pages mapped until the file is closed: a rank reading
+its half of a large file would count that half twice.
 Format: 8-byte little-endian header length, a JSON header, then the raw data.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -165,3 +170,58 @@ def read_rows(source, info: TensorInfo, start: int, stop: int, *, path: str, pin
                 raise CorruptFileError("unexpected end of file while reading", path=path, tensor=info.name)
             done += n
     return out
+
+
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+"""Linux 5.14+: map a range's pages as reads would fault them, in one call (Python 3.11 lacks the name)."""
+
+
+def map_file(fd: int) -> mmap.mmap | None:
+    """A private mapping of the whole open file ``fd``, for :func:`mapped_rows`; None for an empty
+    file or where the file cannot be mapped (a pipe, a file system without mmap: read it instead).
+
+    Private and writable: a write into a tensor made from it (a live update of its shard) copies
+    that page for this process and never reaches the file. Pages no tensor was made from are never
+    touched. The file must not be truncated or rewritten in place while the mapping lives (a
+    truncated page is SIGBUS at its next touch; a rewritten one not yet written here reads the new
+    bytes): write a new file and rename it over the old, as ``save_pretrained`` into a new
+    directory, the Hub cache and ``POST /admin/weights`` do."""
+    try:
+        if os.fstat(fd).st_size == 0:
+            return None
+        return mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError):
+        return None
+
+
+def mapped_rows(mapping: mmap.mmap, info: TensorInfo, start: int, stop: int, *, path: str) -> torch.Tensor | None:
+    """Rows ``[start, stop)`` of ``info`` as a view of ``mapping`` (:func:`map_file`), its pages
+    mapped now (the load's time holds their faults, not the first step's); None where the rows
+    cannot be a view (none of them, or an offset not a multiple of the dtype's size): read them."""
+    if info.shape:
+        shape = (stop - start, *info.shape[1:])
+        offset, nbytes = info.start + start * info.row_bytes, (stop - start) * info.row_bytes
+    else:
+        shape, offset, nbytes = (), info.start, info.nbytes
+    itemsize = info.dtype.itemsize
+    if not nbytes or offset % itemsize or offset + nbytes > len(mapping):
+        return None
+    rows = torch.frombuffer(mapping, dtype=info.dtype, count=nbytes // itemsize, offset=offset).view(shape)
+    populate(mapping, offset, nbytes, rows, path=path, tensor=info.name)
+    return rows
+
+
+def populate(mapping: mmap.mmap, offset: int, nbytes: int, rows: torch.Tensor, *, path: str, tensor: str) -> None:
+    """Map the pages of ``[offset, offset + nbytes)`` of ``mapping`` now: one madvise where the
+    kernel has MADV_POPULATE_READ; else a read of one byte a page (a fault each, with the kernel's
+    fault-around)."""
+    page = mmap.PAGESIZE
+    begin = offset // page * page
+    try:
+        mapping.madvise(MADV_POPULATE_READ, begin, offset + nbytes - begin)
+        return
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise CorruptFileError(f"cannot map the file's pages: {e.strerror or e}", path=path, tensor=tensor) from e
+    flat = rows.reshape(-1).view(torch.uint8)
+    flat[::page].max()  # (a read of every page: each faults in)

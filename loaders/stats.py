@@ -37,10 +37,12 @@ class LoadStats:
     checkpoint_bytes: int = 0
     quantized_layers: dict = field(default_factory=dict)  # {format description: layers} of a quantized checkpoint
     bytes_read: int = 0
+    bytes_mapped: int = 0
+    """Of ``bytes_read``, those taken as views of a private mapping of their file (warm local files)."""
     bytes_received: int = 0
+    """Bytes received from a peer group instead of read (``loaders.peer``)."""
     tensors_written: int = 0
     """Tensors copied into a live model's shards (``update_hsdp_model``)."""
-    """Bytes received from a peer group instead of read (``loaders.peer``)."""
     files_read: int = 0
     tensors_read: int = 0
     tensors_converted: int = 0

@@ -238,6 +238,11 @@ class ServeConfig:
     load_concurrency: int = option(8, "reads a rank keeps in flight: ranged GETs of an s3:// checkpoint; "
                                       "reads ahead of a local one where the host has cores its ranks leave idle",
                                    "model", type=int, metavar="N")
+    load_mmap: bool = option(
+        True, "on a CPU, take each rank's rows of a checkpoint file in the page cache as views of a private mapping "
+        "of it (no fresh memory, no copy: llama.cpp's and from_pretrained's CPU default) instead of reading them; "
+        "such files must then not be rewritten in place while served (write new files and rename them: "
+        "--no-load-mmap where a trainer overwrites them)", "model", switch=True)
     load_from_peer: str | None = option(
         None, "receive the weights from a running hsdp-serve that serves the same checkpoint with --share-weights "
         "(its URL; the API key, if any, is this server's own): each rank gets its rows from the peer's ranks that "

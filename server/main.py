@@ -245,7 +245,8 @@ def _load(cfg: ServeConfig, source, hsdp, device, state, rank: int):
     check_servable(load_config(source.path))  # again under torchrun, where no launcher ran it
     arguments = dict(device=device, dtype=cfg.torch_dtype or "auto", read_mode=cfg.read_mode,
                      progress=load_progress_reporter(state, rank), require_tokenizer=True,
-                     load_concurrency=cfg.load_concurrency, quantize=None if cfg.quantization == "none" else cfg.quantization)
+                     load_concurrency=cfg.load_concurrency, map_files=cfg.load_mmap,
+                     quantize=None if cfg.quantization == "none" else cfg.quantization)
     weights = {"source": "storage"}
     loaded = None
     if cfg.load_from_peer:

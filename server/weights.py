@@ -404,7 +404,8 @@ def apply_update(loaded, cfg, residency, update, mesh_shape: tuple[int, int] = (
         return UpdateReport(bytes_read=received, seconds=round(time.perf_counter() - began, 3))
     try:
         stats = update_hsdp_model(loaded, update_directory(update), dtype=cfg.torch_dtype or "auto",
-                                  quantize=_quantize(cfg), load_concurrency=cfg.load_concurrency)
+                                  quantize=_quantize(cfg), load_concurrency=cfg.load_concurrency,
+                                  map_files=cfg.load_mmap)
     except PartialUpdateError:
         raise
     except (CheckpointError, OSError, ValueError) as e:

@@ -193,14 +193,16 @@ def test_config_validation():
 
 
 def _load_counting_reads(rank, world_size, dirs):
-    """Each case's error class and message, and how many tensor reads happened before it."""
+    """Each case's error class and message, and how many tensor reads (or views of a file's
+    mapping) happened before it."""
     import loaders.streaming
     from loaders import CheckpointError, load_hsdp_model
     from shard_engine import HSDPInferenceConfig
 
     reads = []
-    original = loaders.streaming.read_rows
-    loaders.streaming.read_rows = lambda *a, **k: reads.append(a) or original(*a, **k)
+    for name in ("read_rows", "mapped_rows"):
+        original = getattr(loaders.streaming, name)
+        setattr(loaders.streaming, name, lambda *a, _original=original, **k: reads.append(a) or _original(*a, **k))
     outcomes = {}
     for case, path in dirs.items():
         reads.clear()

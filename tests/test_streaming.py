@@ -92,3 +92,120 @@ def test_files_are_read_in_index_order(tmp_path, checkpoints):
     _, events = values(run_ranks(_load_and_gather, 1, tmp_path, path, "full", timeout=120))[0]
     seen = [weight_map[name] for kind, name in events if kind == "tensor"]
     assert list(dict.fromkeys(seen)) == file_order
+
+
+def _load_mapped(rank, world_size, path, map_files, cold):
+    """Load ``path`` (its files taken for cold ones where ``cold``: :func:`test_is_cold_asks_the_page_cache`
+    checks that verdict on a real file); return the full weights, the stats, whether each local shard lies in a mapping of a checkpoint file, and,
+    after writing zeros into those shards, whether the files' bytes changed."""
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    from loaders import load_hsdp_model
+    from shard_engine import HSDPInferenceConfig
+
+    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+
+    def digest():
+        h = hashlib.sha256()
+        for name in files:
+            with open(name, "rb") as f:
+                h.update(f.read())
+        return h.hexdigest()
+
+    before = digest()
+    if cold:  # (these files are too small to stay cold: reading a header reads the whole file ahead)
+        import loaders.streaming
+
+        loaders.streaming.is_cold = lambda fd, offsets: True
+    loaded = load_hsdp_model(path, HSDPInferenceConfig(), map_files=map_files)
+    regions = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] in files:
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                regions.append((low, high))
+    locals_ = {n: p.to_local() for n, p in loaded.model.named_parameters() if isinstance(p, DTensor)}
+    in_file = {n: any(lo <= t.data_ptr() < hi for lo, hi in regions) for n, t in locals_.items() if t.numel()}
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
+            for n, p in loaded.model.named_parameters()}
+    with torch.no_grad():
+        for t in locals_.values():
+            t.zero_()  # a write into a mapped shard: copy-on-write, never into the file
+    zeroed = all(not t.any() for t in locals_.values())
+    return full, loaded.stats.bytes_read, loaded.stats.bytes_mapped, in_file, zeroed, digest() == before
+
+
+def test_warm_files_rows_are_views_of_a_private_mapping_and_cold_ones_are_read(tmp_path, checkpoints):
+    path = checkpoints["llama"]
+    reference = {}
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            reference.update(load_file(os.path.join(path, name)))
+    mapped = values(run_ranks(_load_mapped, 2, tmp_path, path, True, False, timeout=180))
+    read = values(run_ranks(_load_mapped, 2, tmp_path, path, False, False, timeout=180))
+    for (full, bytes_read, bytes_mapped, in_file, zeroed, unchanged), (full_read, read_bytes, none_mapped, in_file_read,
+                                                                       _, _) in zip(mapped, read):
+        for name, tensor in reference.items():
+            assert torch.equal(full[name], tensor) and torch.equal(full_read[name], tensor), name
+        assert bytes_mapped == bytes_read == read_bytes > 0 and none_mapped == 0
+        assert in_file and all(in_file.values()), in_file  # every shard is the file's own pages
+        assert not any(in_file_read.values())
+        assert zeroed and unchanged  # written privately: the checkpoint's bytes are as they were
+    # a file not in the page cache is read: its pages come from the device either way
+    [(full, bytes_read, bytes_mapped, in_file, _, _)] = values(run_ranks(_load_mapped, 1, tmp_path, path, True, True,
+                                                                          timeout=120))
+    assert bytes_read > 0 and bytes_mapped == 0 and not any(in_file.values())
+    for name, tensor in reference.items():
+        assert torch.equal(full[name], tensor), name
+
+
+def test_rows_at_an_offset_their_dtype_cannot_view_are_read_instead(tmp_path):
+    """safetensors does not promise aligned offsets: a float32 tensor 3 bytes in is read, not viewed."""
+    import struct
+
+    from loaders.safetensors_io import map_file, mapped_rows, read_header, read_rows
+
+    values_ = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    header = json.dumps({"pad": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+                         "w": {"dtype": "F32", "shape": [4, 2], "data_offsets": [3, 35]}}).encode()
+    header += b" " * (-len(header) % 8)
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"abc" + values_.numpy().tobytes())
+    infos = read_header(str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapping = map_file(fd)
+        assert mapping is not None
+        assert mapped_rows(mapping, infos["w"], 1, 3, path=str(path)) is None
+        assert torch.equal(read_rows(fd, infos["w"], 1, 3, path=str(path)), values_[1:3])
+        assert bytes(mapped_rows(mapping, infos["pad"], 0, 3, path=str(path)).numpy()) == b"abc"
+        assert mapped_rows(mapping, infos["pad"], 2, 2, path=str(path)) is None  # no rows: nothing to view
+    finally:
+        os.close(fd)
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    fd = os.open(empty, os.O_RDONLY)
+    assert map_file(fd) is None
+    os.close(fd)
+
+
+def test_is_cold_asks_the_page_cache(tmp_path):
+    from loaders.streaming import is_cold
+
+    if not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("no RWF_NOWAIT: is_cold cannot ask, and says warm")
+    path = tmp_path / "big.bin"
+    path.write_bytes(os.urandom(8 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert not is_cold(fd, [0, 4 << 20])  # just written: in the page cache
+        os.fdatasync(fd)  # (a dirty page is not dropped)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert is_cold(fd, [6 << 20])
+        os.pread(fd, 1 << 20, 6 << 20)
+        assert not is_cold(fd, [6 << 20])
+    finally:
+        os.close(fd)
