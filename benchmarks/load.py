@@ -4,7 +4,8 @@
                               [--methods sliced,full,from_pretrained,dcp] [--repeats 2] [--profile DIR]
 
 Methods, each in a fresh set of spawned processes (gloo, FileStore rendezvous):
-  sliced           load_hsdp_model(read_mode="sliced")
+  sliced           load_hsdp_model(read_mode="sliced"): a warm file's rows are views of a private mapping of it
+  sliced-read      the same with map_files=False (--no-load-mmap): the rows read into the rank's own memory
   full             load_hsdp_model(read_mode="full")
   from_pretrained  transformers from_pretrained on every rank, then apply_hsdp_to_model
   dcp              meta skeleton, apply_hsdp_to_model, to_empty, torch DCP HuggingFaceStorageReader
@@ -49,7 +50,7 @@ import torch
 from tests.dist import run_ranks, values
 
 DEFAULT_OUT_DIR = os.path.expanduser("~/.cache/hsdp-serve/bench-llama-1.5g")
-METHODS = ("sliced", "full", "from_pretrained", "dcp", "floor-fresh", "floor-copy", "floor-direct")
+METHODS = ("sliced", "sliced-read", "full", "from_pretrained", "dcp", "floor-fresh", "floor-copy", "floor-direct")
 FLOORS = ("floor-fresh", "floor-copy", "floor-direct")
 S3_METHODS = ("s3-sliced", "s3-full", "s3-download")
 RUN_TIMEOUT_S = 600
@@ -168,13 +169,14 @@ def describe_checkpoint(model_dir: str) -> dict:
 
 
 # -- the methods (run inside a rank) -------------------------------------------------------------
-def load_with_loader(model_dir: str, read_mode: str):
+def load_with_loader(model_dir: str, read_mode: str, map_files: bool = True):
     from loaders import load_hsdp_model
     from shard_engine import HSDPInferenceConfig
 
-    loaded = load_hsdp_model(model_dir, HSDPInferenceConfig(), read_mode=read_mode)
+    loaded = load_hsdp_model(model_dir, HSDPInferenceConfig(), read_mode=read_mode, map_files=map_files)
     stats = loaded.stats.as_dict()
-    return loaded.model, {"bytes_read": stats["bytes_read"], "phase_seconds": stats["phase_seconds"]}
+    return loaded.model, {"bytes_read": stats["bytes_read"], "bytes_mapped": stats["bytes_mapped"],
+                          "phase_seconds": stats["phase_seconds"]}
 
 
 def load_from_s3(url: str, read_mode: str, rank: int):
@@ -346,6 +348,7 @@ def run_rank(rank: int, world_size: int, method: str, model_dir: str, profile_pa
         AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(model_dir))]
     load = {
         "sliced": lambda: load_with_loader(model_dir, "sliced"),
+        "sliced-read": lambda: load_with_loader(model_dir, "sliced", map_files=False),
         "full": lambda: load_with_loader(model_dir, "full"),
         "from_pretrained": lambda: load_from_pretrained(model_dir),
         "dcp": lambda: load_dcp(model_dir),

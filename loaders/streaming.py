@@ -46,7 +46,7 @@ from shard_engine import (
     wire,
     HSDPShardContext,
     default_device,
-    dtensor_like,
+    parameter_like,
     finalize_hsdp_root,
     prepare_hsdp_shard_context,
     select_units,
@@ -85,9 +85,6 @@ class _Unit:
     parent: _Unit | None = None
     pending: dict[str, torch.Tensor] = field(default_factory=dict)
     done: bool = False
-
-    def owns(self, fqn: str) -> bool:
-        return not self.name or fqn == self.name or fqn.startswith(self.name + ".")
 
 
 def _resolve_dtype(dtype, config, files, device: torch.device) -> tuple[torch.dtype, bool]:
@@ -277,11 +274,20 @@ class _StreamingLoad:
     def _plan_units(self) -> None:
         self.root = _Unit("", self.model)
         units = [_Unit(name, module) for name, module in select_units(self.model, self.context.shard_conditions)]
-        by_depth = sorted(units, key=lambda u: -len(u.name))
         self.units = units + [self.root]
 
+        by_name = {u.name: u for u in units}
+
         def owner(fqn: str, exclude: _Unit | None = None) -> _Unit:
-            return next((u for u in by_depth if u is not exclude and u.owns(fqn)), self.root)
+            """The deepest unit owning ``fqn``: its longest dotted prefix that names one (a walk
+            up the name, not a scan of every unit for every tensor: a 256-expert MoE has 10^5)."""
+            prefix = fqn
+            while prefix:
+                unit = by_name.get(prefix)
+                if unit is not None and unit is not exclude:
+                    return unit
+                prefix = prefix.rpartition(".")[0]
+            return self.root
 
         for unit in units:
             unit.parent = owner(unit.name, exclude=unit)
@@ -291,7 +297,12 @@ class _StreamingLoad:
             unit = owner(name)
             unit.remaining.add(name)
             self.owner[name] = unit
-        self.module_owner = {fqn: owner(fqn) for fqn, _ in self.model.named_modules() if fqn}
+        # each unit's own modules (not its nested units'), as _install puts its tensors in them
+        self.modules_of: dict[_Unit, list[tuple[str, nn.Module]]] = {u: [] for u in units}
+        self.modules_of[self.root] = [("", self.model)]
+        for fqn, module in self.model.named_modules():
+            if fqn:
+                self.modules_of[owner(fqn)].append((fqn, module))
 
     # -- reading ---------------------------------------------------------------------------
     def _model_key(self, key: str) -> str | None:
@@ -687,8 +698,7 @@ class _StreamingLoad:
         a DTensor, as ``load_state_dict(assign=True)`` does: no second allocation and copy.
         FSDP2 adopts a replaced sharded parameter at its lazy init (``reset_sharded_param``).
         """
-        owned = [("", self.model)] if unit is self.root else []
-        owned += [(fqn, m) for fqn, m in self.model.named_modules() if fqn and self.module_owner[fqn] is unit]
+        owned = self.modules_of[unit]
         installed: dict[int, nn.Parameter] = {}  # keeps tied parameters tied
         for fqn, module in owned:
             prefix = f"{fqn}." if fqn else ""
@@ -703,12 +713,11 @@ class _StreamingLoad:
 
     def _as_parameter(self, name: str, old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
         if isinstance(old, DTensor):
-            local_shape = tuple(old.to_local().shape)  # a view of the shard (no copy); only its shape is read
-            assert local_shape == tuple(data.shape), f"{name}: rows read {tuple(data.shape)} != FSDP shard {local_shape}"
-            value = dtensor_like(old, data.to(self.local_device))
-        else:
-            value = data.to(self.context.target_device)
-        return nn.Parameter(value, requires_grad=False)
+            try:
+                return parameter_like(old, data.to(self.local_device))
+            except ValueError as e:
+                raise ShapeMismatchError(f"rows read: {e}", path=self.files.directory, tensor=name) from e
+        return nn.Parameter(data.to(self.context.target_device), requires_grad=False)
 
 
 def _model_named_tensors(model: nn.Module, files) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]],

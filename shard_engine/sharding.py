@@ -28,7 +28,7 @@ from torch.distributed.fsdp import (
 )
 
 from shard_engine.config import HSDPInferenceConfig, build_hsdp_mesh
-from shard_engine.torch_private import dtensor_from_local_no_grad, is_gathered
+from shard_engine.torch_private import is_gathered, local_shape, sharded_parameter
 from shard_engine.units import (
     ShardCondition,
     default_shard_conditions,
@@ -121,18 +121,18 @@ def prepare_hsdp_shard_context(
     )
 
 
-def dtensor_like(template: DTensor, local: torch.Tensor) -> DTensor:
-    """A DTensor over ``local`` with ``template``'s mesh, placements, shape and stride: a shard
-    read from a checkpoint replacing the meta one ``fully_shard`` registered.
+def parameter_like(template: DTensor, local: torch.Tensor) -> nn.Parameter:
+    """A parameter (no grad) over shard ``local`` with ``template``'s mesh, placements, shape and
+    stride: a shard read from a checkpoint replacing the meta one ``fully_shard`` registered.
 
-    ``local`` stays where it is. ``DTensor.from_local`` would move a host tensor onto a GPU mesh's
-    device, but with FSDP's CPU offload the shards live in host memory on a CUDA mesh (FSDP's
-    lazy init refuses shards elsewhere), so that case is built as FSDP builds its own shards.
+    ``local`` stays where it is (``DTensor.from_local`` would move a host tensor onto a GPU
+    mesh's device, but with FSDP's CPU offload the shards live in host memory on a CUDA mesh, and
+    FSDP's lazy init refuses shards elsewhere): built as FSDP builds its own shards, without
+    autograd or DTensor's dispatch (:func:`shard_engine.torch_private.sharded_parameter`).
     """
-    if local.device.type == template.device_mesh.device_type:
-        return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
-                                  shape=template.shape, stride=template.stride())
-    return dtensor_from_local_no_grad(template, local)
+    if tuple(local_shape(template)) != tuple(local.shape):
+        raise ValueError(f"a shard of shape {tuple(local.shape)} for FSDP's shard of {tuple(local_shape(template))}")
+    return sharded_parameter(template, local)
 
 
 def _place_ignored(params: set[nn.Parameter], device: torch.device) -> None:
