@@ -43,14 +43,15 @@ from loaders.skeleton import auto_model_class, build_skeleton, describe_layout, 
 from loaders.stats import LoadStats, read_proc_status, reset_peak_rss
 from shard_engine import (
     HSDPInferenceConfig,
-    wire,
     HSDPShardContext,
     default_device,
-    parameter_like,
     finalize_hsdp_root,
+    parameter_like,
     prepare_hsdp_shard_context,
     select_units,
     shard_hsdp_module,
+    tied_across_units,
+    wire,
 )
 from shard_engine.torch_private import set_buffer, set_parameter
 from shard_engine.transfer import Slot, held_tensors, manifest_difference, shard_rows
@@ -292,17 +293,26 @@ class _StreamingLoad:
         for unit in units:
             unit.parent = owner(unit.name, exclude=unit)
             unit.parent.children.append(unit)
+        # a parameter that modules of several units hold (Zamba's shared blocks) stays out of FSDP
+        # (replicated) and is the root's: it arrives whole, and goes into every module holding it last
+        tied = tied_across_units(self.model, [(u.name, u.module) for u in units])
         self.owner = {}
         for name in self.layout.expected:
-            unit = owner(name)
+            unit = self.root if name in tied else owner(name)
             unit.remaining.add(name)
             self.owner[name] = unit
-        # each unit's own modules (not its nested units'), as _install puts its tensors in them
+        # each unit's own modules (not its nested units'), whose buffers _install puts in, and the
+        # parameter slots it fills: (module, key, model tensor), in every module holding the tensor
         self.modules_of: dict[_Unit, list[tuple[str, nn.Module]]] = {u: [] for u in units}
         self.modules_of[self.root] = [("", self.model)]
+        self.slots_of: dict[_Unit, list[tuple[nn.Module, str, str]]] = {u: [] for u in self.units}
         for fqn, module in self.model.named_modules():
             if fqn:
                 self.modules_of[owner(fqn)].append((fqn, module))
+            prefix = f"{fqn}." if fqn else ""
+            for key, _ in module.named_parameters(recurse=False, remove_duplicate=False):
+                name = self.layout.aliases.get(prefix + key, prefix + key)
+                self.slots_of[self.owner[name]].append((module, key, name))
 
     # -- reading ---------------------------------------------------------------------------
     def _model_key(self, key: str) -> str | None:
@@ -698,15 +708,14 @@ class _StreamingLoad:
         a DTensor, as ``load_state_dict(assign=True)`` does: no second allocation and copy.
         FSDP2 adopts a replaced sharded parameter at its lazy init (``reset_sharded_param``).
         """
-        owned = self.modules_of[unit]
         installed: dict[int, nn.Parameter] = {}  # keeps tied parameters tied
-        for fqn, module in owned:
+        for module, key, name in self.slots_of[unit]:
+            old = module.get_parameter(key)  # (FSDP2's sharded one, where the unit was sharded first)
+            if id(old) not in installed:
+                installed[id(old)] = self._as_parameter(name, old, unit.pending[name])
+            set_parameter(module, key, installed[id(old)])
+        for fqn, module in self.modules_of[unit]:
             prefix = f"{fqn}." if fqn else ""
-            for key, old in list(module.named_parameters(recurse=False, remove_duplicate=False)):
-                if id(old) not in installed:
-                    name = self.layout.aliases.get(prefix + key, prefix + key)
-                    installed[id(old)] = self._as_parameter(name, old, unit.pending[name])
-                set_parameter(module, key, installed[id(old)])
             for key, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
                 # persistent ones were read; the others were built real
                 set_buffer(module, key, unit.pending.get(prefix + key, buf).to(self.context.target_device))

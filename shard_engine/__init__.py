@@ -36,6 +36,7 @@ from shard_engine.units import (
     find_ignored_param_names,
     fsdp_units,
     select_units,
+    tied_across_units,
 )
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "local_parameter_bytes",
     "prepare_hsdp_shard_context",
     "select_units",
+    "tied_across_units",
     "set_resident_units",
     "shared_weights_of",
     "shard_hsdp_module",

@@ -35,6 +35,7 @@ from shard_engine.units import (
     encoder_module_names,
     find_ignored_param_names,
     select_units,
+    tied_across_units,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,6 @@ class HSDPShardContext:
     shard_conditions: list[ShardCondition]
     ignored_param_names: frozenset[str]
     root: nn.Module = field(repr=False)
-    module_names: dict[int, str] = field(repr=False, default_factory=dict)
 
     @property
     def ignored_params(self) -> set[nn.Parameter]:
@@ -67,14 +67,12 @@ class HSDPShardContext:
         return {self.root.get_parameter(name) for name in self.ignored_param_names}
 
     def ignored_params_in(self, module: nn.Module) -> set[nn.Parameter]:
-        """The ignored parameters owned by ``module`` (a submodule of the root, or the root)."""
-        prefix = self.module_names[id(module)]
-        if not prefix:
+        """The ignored parameters ``module`` holds (a submodule of the root, or the root), under
+        whichever name: one tied across units is held by modules of each."""
+        if module is self.root:
             return self.ignored_params
-        start = prefix + "."
-        return {
-            self.root.get_parameter(name) for name in self.ignored_param_names if name.startswith(start)
-        }
+        ignored = {id(p): p for p in self.ignored_params}
+        return {ignored[id(p)] for p in module.parameters() if id(p) in ignored}
 
 
 def prepare_hsdp_shard_context(
@@ -102,6 +100,11 @@ def prepare_hsdp_shard_context(
     offload = CPUOffloadPolicy() if hsdp_config.cpu_offload and device.type != "cpu" else OffloadPolicy()
     conditions = list(getattr(model, "_hsdp_shard_conditions", None)
                       or default_shard_conditions(model, hsdp_config.encoder))
+    ignored = find_ignored_param_names(model)
+    tied = tied_across_units(model, select_units(model, conditions)) - ignored
+    if tied:
+        logger.info("keeping %d parameter(s) tied across FSDP units replicated (FSDP2 shards a parameter in one "
+                    "unit only): %s%s", len(tied), ", ".join(sorted(tied)[:3]), ", ..." if len(tied) > 3 else "")
     # Inference only: no autograd state on the sharded or gathered parameters.
     model.requires_grad_(False)
     return HSDPShardContext(
@@ -115,9 +118,8 @@ def prepare_hsdp_shard_context(
         reshard_after_forward=hsdp_config.reshard_after_forward,
         target_device=device,
         shard_conditions=conditions,
-        ignored_param_names=frozenset(find_ignored_param_names(model)),
+        ignored_param_names=frozenset(ignored | tied),
         root=model,
-        module_names={id(m): name for name, m in model.named_modules()},
     )
 
 

@@ -122,6 +122,31 @@ def select_units(model: nn.Module, conditions: Iterable[ShardCondition]) -> list
     return list(reversed(matched))
 
 
+def tied_across_units(model: nn.Module, units: list[tuple[str, nn.Module]]) -> set[str]:
+    """Names (each parameter's first, as ``named_parameters`` gives it) of the parameters that
+    modules of two or more units (or of a unit and the root) hold: Zamba's shared attention
+    blocks, one set of weights in every few hybrid layers. FSDP2 cannot shard one parameter in
+    two units (each would make a DTensor of its own, and a unit's gather would not reach the
+    other's), so such parameters stay out of FSDP, replicated (:func:`find_ignored_param_names`'s
+    fate), and the root installs them in every module that holds them."""
+    unit_names = {name for name, _ in units}
+
+    def unit_of(fqn: str) -> str:
+        prefix = fqn
+        while prefix and prefix not in unit_names:
+            prefix = prefix.rpartition(".")[0]
+        return prefix
+
+    holders: dict[int, set[str]] = {}
+    first: dict[int, str] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        for key, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            holders.setdefault(id(p), set()).add(unit_of(fqn))
+    for name, p in model.named_parameters():
+        first[id(p)] = name
+    return {first[i] for i, owners in holders.items() if len(owners) > 1 and i in first}
+
+
 def _dominant_dtype(params: Iterable[tuple[str, nn.Parameter]]) -> torch.dtype | None:
     counts: Counter[torch.dtype] = Counter()
     for _, p in params:

@@ -104,3 +104,41 @@ def test_encoder_model_loads(tmp_path, read_mode):
         reference = BertModel.from_pretrained(path).eval()(ids).last_hidden_state
     for hidden in values(run_ranks(_load_bert, 3, tmp_path, path, ids, read_mode, timeout=180)):
         torch.testing.assert_close(hidden, reference, rtol=0, atol=0)
+
+
+def test_a_parameter_held_by_two_units_is_found_and_kept_out_of_fsdp():
+    """Zamba's hybrid layers each hold a copy of a shared block whose weights are one set: FSDP2
+    shards a parameter in one unit only, so such a parameter stays replicated (ignored)."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from shard_engine import HSDPInferenceConfig, prepare_hsdp_shard_context, select_units, tied_across_units
+
+    class Block(nn.Module):
+        def __init__(self, shared: nn.Linear):
+            super().__init__()
+            self.own, self.shared = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.shared.weight = shared.weight  # tied, as transformers ties Zamba's blocks
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            first = nn.Linear(4, 4)
+            self.layers = nn.ModuleList([Block(first), Block(first)])
+            self.head = nn.Linear(4, 4)
+
+    model = Model()
+    conditions = [lambda name, module: name in ("layers.0", "layers.1")]
+    model._hsdp_shard_conditions = conditions
+    units = select_units(model, conditions)
+    assert tied_across_units(model, units) == {"layers.0.shared.weight"}
+    assert tied_across_units(model, []) == set()  # all in the root: FSDP2 shards it there once
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        context = prepare_hsdp_shard_context(model, HSDPInferenceConfig(), torch.device("cpu"))
+        assert "layers.0.shared.weight" in context.ignored_param_names
+        for layer in model.layers:  # each unit sees it as ignored, whichever name it holds it under
+            assert context.ignored_params_in(layer) == {model.layers[0].shared.weight}
+    finally:
+        dist.destroy_process_group()

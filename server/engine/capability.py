@@ -33,10 +33,6 @@ STATEFUL_MODEL_TYPES = frozenset({
 })
 """Families whose layers carry recurrent or convolution state (state-space models and hybrids)."""
 
-SHARED_BLOCK_MODEL_TYPES = frozenset({"zamba", "zamba2"})
-"""Hybrids whose layers each hold a copy of a shared block, its weights tied across them: exact
-in one process, but FSDP2 shards a parameter within one unit only."""
-
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
@@ -61,10 +57,6 @@ def check_servable(config, model_class=None) -> None:
         STATEFUL_LAYER_TYPES
 
     stateful = model_type in SERVED_STATEFUL_MODEL_TYPES
-    if model_type in SHARED_BLOCK_MODEL_TYPES:
-        raise UnsupportedModelError(
-            architecture, "its hybrid layers tie their shared attention block's weights across layers (a copy of the "
-            "block in each), and a parameter held by two FSDP units is not sharded yet")
     if model_type in STATEFUL_MODEL_TYPES and not stateful:
         raise UnsupportedModelError(
             architecture, "its layers carry recurrent or convolution state between tokens, which the engine keeps per "

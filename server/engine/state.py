@@ -52,7 +52,7 @@ convolution in some)."""
 SERVED_STATEFUL_MODEL_TYPES = frozenset({
     "lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1",
     "mamba", "falcon_mamba", "jamba", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid", "lara_mini",
-    "minimax",
+    "minimax", "zamba", "zamba2",
 })
 """Stateful families the engine serves (each tested against transformers' generate)."""
 OWN_CACHE_MODEL_TYPES = frozenset({"minimax"})
