@@ -279,7 +279,10 @@ class _CompiledLayers:
         from shard_engine.units import detect_decoder_layer_names
 
         self.layers: list[tuple[nn.Module, int]] = []  # (layer, its pools' index)
-        for name in detect_decoder_layer_names(model):
+        names = detect_decoder_layer_names(model)
+        for name in names:
+            if any(name.startswith(other + ".") for other in names):
+                continue  # a layer inside a layer (Zamba's hybrid layers hold a Mamba layer): the outer one's graph
             layer = model.get_submodule(name)
             index = next((m.layer_idx for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)), None)
             if index is None or "forward" in vars(layer):
