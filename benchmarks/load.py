@@ -247,6 +247,7 @@ def read_floor(model_dir: str, rank: int, world_size: int, fresh: bool, direct: 
     import mmap
 
     from loaders.checkpoint import list_checkpoint_files
+    from loaders.safetensors_io import row_span
     from loaders.streaming import shard_rows
 
     files = list_checkpoint_files(model_dir)
@@ -260,11 +261,8 @@ def read_floor(model_dir: str, rank: int, world_size: int, fresh: bool, direct: 
         fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
         try:
             for info in sorted(by_file.get(path, []), key=lambda i: i.start):
-                if info.shape:
-                    start, stop = shard_rows(info.shape[0], world_size, rank)
-                    offset, nbytes = info.start + start * info.row_bytes, (stop - start) * info.row_bytes
-                else:
-                    offset, nbytes = info.start, info.nbytes
+                start, stop = shard_rows(info.shape[0], world_size, rank) if info.shape else (0, 0)
+                _, offset, nbytes = row_span(info, start, stop)
                 total += nbytes
                 if direct:
                     offset, end = offset // align * align, -(-(offset + nbytes) // align) * align

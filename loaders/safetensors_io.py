@@ -144,6 +144,14 @@ def read_bytes(source, offset: int, nbytes: int, *, path: str) -> bytes:
     return bytes(out)
 
 
+def row_span(info: TensorInfo, start: int, stop: int) -> tuple[tuple[int, ...], int, int]:
+    """Rows ``[start, stop)`` of ``info`` along dim 0 (the whole tensor when it has no dims):
+    their shape, absolute byte offset in the file and byte count."""
+    if info.shape:
+        return (stop - start, *info.shape[1:]), info.start + start * info.row_bytes, (stop - start) * info.row_bytes
+    return (), info.start, info.nbytes
+
+
 def read_rows(source, info: TensorInfo, start: int, stop: int, *, path: str, pin_memory: bool = False,
               concurrency: int = 8, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``[start, stop)`` of ``info`` along dim 0 (the whole tensor when it has no dims), into
@@ -151,11 +159,7 @@ def read_rows(source, info: TensorInfo, start: int, stop: int, *, path: str, pin
     a file descriptor (positioned reads) or a :class:`loaders.remote.RemoteFile` (ranged GETs,
     ``concurrency`` at once for a large read). ``out``: read into this contiguous host tensor of
     the rows' shape and dtype instead of a new one."""
-    if info.shape:
-        shape = (stop - start, *info.shape[1:])
-        offset, nbytes = info.start + start * info.row_bytes, (stop - start) * info.row_bytes
-    else:
-        shape, offset, nbytes = (), info.start, info.nbytes
+    shape, offset, nbytes = row_span(info, start, stop)
     if out is None:
         out = torch.empty(shape, dtype=info.dtype, pin_memory=pin_memory)
     if nbytes and not isinstance(source, int):
@@ -198,11 +202,7 @@ def mapped_rows(mapping: mmap.mmap, info: TensorInfo, start: int, stop: int, *, 
     """Rows ``[start, stop)`` of ``info`` as a view of ``mapping`` (:func:`map_file`), its pages
     mapped now (the load's time holds their faults, not the first step's); None where the rows
     cannot be a view (none of them, or an offset not a multiple of the dtype's size): read them."""
-    if info.shape:
-        shape = (stop - start, *info.shape[1:])
-        offset, nbytes = info.start + start * info.row_bytes, (stop - start) * info.row_bytes
-    else:
-        shape, offset, nbytes = (), info.start, info.nbytes
+    shape, offset, nbytes = row_span(info, start, stop)
     itemsize = info.dtype.itemsize
     if not nbytes or offset % itemsize or offset + nbytes > len(mapping):
         return None

@@ -38,7 +38,7 @@ from loaders.errors import (
 from loaders.quantization import quantization_plan, quantize_skeleton
 from loaders.quantization.linear import check_nothing_else_quantized
 from loaders.quantization.on_load import quantize_rows, quantize_skeleton_on_load
-from loaders.safetensors_io import map_file, mapped_rows, read_rows
+from loaders.safetensors_io import map_file, mapped_rows, read_rows, row_span
 from loaders.skeleton import auto_model_class, build_skeleton, describe_layout, match_key_prefix
 from loaders.stats import LoadStats, read_proc_status, reset_peak_rss
 from shard_engine import (
@@ -203,7 +203,7 @@ class _Prefetch:
     def _fill(self) -> None:
         while self.next < len(self.plan) and len(self.futures) < self.window:
             key, info, (start, stop) = self.plan[self.next]
-            nbytes = (stop - start) * info.row_bytes if info.shape else info.nbytes
+            nbytes = row_span(info, start, stop)[2]
             if self.futures and sum(b for _, b, _ in self.futures.values()) + nbytes > PREFETCH_BYTES:
                 return
             # one GET per tensor here: the window is the concurrency
