@@ -46,11 +46,11 @@ from shard_engine import (
     HSDPShardContext,
     default_device,
     finalize_hsdp_root,
+    owning_unit,
     parameter_like,
     prepare_hsdp_shard_context,
     select_units,
     shard_hsdp_module,
-    tied_across_units,
     wire,
 )
 from shard_engine.torch_private import set_buffer, set_parameter
@@ -280,25 +280,16 @@ class _StreamingLoad:
         by_name = {u.name: u for u in units}
 
         def owner(fqn: str, exclude: _Unit | None = None) -> _Unit:
-            """The deepest unit owning ``fqn``: its longest dotted prefix that names one (a walk
-            up the name, not a scan of every unit for every tensor: a 256-expert MoE has 10^5)."""
-            prefix = fqn
-            while prefix:
-                unit = by_name.get(prefix)
-                if unit is not None and unit is not exclude:
-                    return unit
-                prefix = prefix.rpartition(".")[0]
-            return self.root
+            return by_name.get(owning_unit(fqn, by_name, exclude.name if exclude else None), self.root)
 
         for unit in units:
             unit.parent = owner(unit.name, exclude=unit)
             unit.parent.children.append(unit)
         # a parameter that modules of several units hold (Zamba's shared blocks) stays out of FSDP
         # (replicated) and is the root's: it arrives whole, and goes into every module holding it last
-        tied = tied_across_units(self.model, [(u.name, u.module) for u in units])
         self.owner = {}
         for name in self.layout.expected:
-            unit = self.root if name in tied else owner(name)
+            unit = self.root if name in self.context.tied_param_names else owner(name)
             unit.remaining.add(name)
             self.owner[name] = unit
         # each unit's own modules (not its nested units'), whose buffers _install puts in, and the

@@ -35,6 +35,7 @@ from shard_engine.units import (
     detect_decoder_layer_names,
     find_ignored_param_names,
     fsdp_units,
+    owning_unit,
     select_units,
     tied_across_units,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "fsdp_units",
     "hsdp_root_unsharded",
     "local_parameter_bytes",
+    "owning_unit",
     "parameter_like",
     "prepare_hsdp_shard_context",
     "select_units",

@@ -60,6 +60,8 @@ class HSDPShardContext:
     shard_conditions: list[ShardCondition]
     ignored_param_names: frozenset[str]
     root: nn.Module = field(repr=False)
+    tied_param_names: frozenset[str] = frozenset()
+    """Of ``ignored_param_names``, those held by modules of several units (:func:`tied_across_units`)."""
 
     @property
     def ignored_params(self) -> set[nn.Parameter]:
@@ -101,10 +103,10 @@ def prepare_hsdp_shard_context(
     conditions = list(getattr(model, "_hsdp_shard_conditions", None)
                       or default_shard_conditions(model, hsdp_config.encoder))
     ignored = find_ignored_param_names(model)
-    tied = tied_across_units(model, select_units(model, conditions)) - ignored
-    if tied:
+    tied = tied_across_units(model, select_units(model, conditions))
+    if newly := tied - ignored:
         logger.info("keeping %d parameter(s) tied across FSDP units replicated (FSDP2 shards a parameter in one "
-                    "unit only): %s%s", len(tied), ", ".join(sorted(tied)[:3]), ", ..." if len(tied) > 3 else "")
+                    "unit only): %s%s", len(newly), ", ".join(sorted(newly)[:3]), ", ..." if len(newly) > 3 else "")
     # Inference only: no autograd state on the sharded or gathered parameters.
     model.requires_grad_(False)
     return HSDPShardContext(
@@ -120,6 +122,7 @@ def prepare_hsdp_shard_context(
         shard_conditions=conditions,
         ignored_param_names=frozenset(ignored | tied),
         root=model,
+        tied_param_names=frozenset(tied),
     )
 
 

@@ -122,6 +122,16 @@ def select_units(model: nn.Module, conditions: Iterable[ShardCondition]) -> list
     return list(reversed(matched))
 
 
+def owning_unit(fqn: str, unit_names, exclude: str | None = None) -> str:
+    """The name of the deepest unit owning module or tensor ``fqn``: its longest dotted prefix in
+    ``unit_names`` other than ``exclude`` (a walk up the name, not a scan of every unit: a
+    256-expert MoE has 10^5 tensors); "" (the root) where none is."""
+    prefix = fqn
+    while prefix and (prefix not in unit_names or prefix == exclude):
+        prefix = prefix.rpartition(".")[0]
+    return prefix
+
+
 def tied_across_units(model: nn.Module, units: list[tuple[str, nn.Module]]) -> set[str]:
     """Names (each parameter's first, as ``named_parameters`` gives it) of the parameters that
     modules of two or more units (or of a unit and the root) hold: Zamba's shared attention
@@ -130,18 +140,11 @@ def tied_across_units(model: nn.Module, units: list[tuple[str, nn.Module]]) -> s
     other's), so such parameters stay out of FSDP, replicated (:func:`find_ignored_param_names`'s
     fate), and the root installs them in every module that holds them."""
     unit_names = {name for name, _ in units}
-
-    def unit_of(fqn: str) -> str:
-        prefix = fqn
-        while prefix and prefix not in unit_names:
-            prefix = prefix.rpartition(".")[0]
-        return prefix
-
     holders: dict[int, set[str]] = {}
     first: dict[int, str] = {}
     for fqn, module in model.named_modules(remove_duplicate=False):
         for key, p in module.named_parameters(recurse=False, remove_duplicate=False):
-            holders.setdefault(id(p), set()).add(unit_of(fqn))
+            holders.setdefault(id(p), set()).add(owning_unit(fqn, unit_names))
     for name, p in model.named_parameters():
         first[id(p)] = name
     return {first[i] for i, owners in holders.items() if len(owners) > 1 and i in first}
