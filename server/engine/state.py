@@ -350,21 +350,15 @@ class _PerSequenceState:
             # a compiled decode step (server.engine.compiled: steps whose every sequence continues its state,
             # padded, the padding rows' states in the pool's scratch slot): the row as one batch of
             # one-token sequences, in row order, their states gathered and scattered by slot
-            segment_cache = _SegmentCache(states, layer, layout.state_slots_S, True)
-            result = super().forward(hidden_states.transpose(0, 1), *args, **{**kwargs, name: segment_cache})
-            segment_cache.store()
-            if isinstance(result, tuple):  # (output, the module's state): MiniMax's; its layer reads the output
-                return result[0].transpose(0, 1), None
-            return result.transpose(0, 1)
+            result, tupled = self._segment_forward(hidden_states.transpose(0, 1), _SegmentCache(
+                states, layer, layout.state_slots_S, True), name, args, kwargs)
+            return (result.transpose(0, 1), None) if tupled else result.transpose(0, 1)
         out, tupled = None, False
 
         def run(rows: torch.Tensor, segment: torch.Tensor, slots: torch.Tensor, previous: bool):
             nonlocal out, tupled
-            segment_cache = _SegmentCache(states, layer, slots, previous)
-            result = super(_PerSequenceState, self).forward(segment, *args, **{**kwargs, name: segment_cache})
-            segment_cache.store()
-            if isinstance(result, tuple):  # (output, the module's state): MiniMax's; its layer reads the output
-                result, tupled = result[0], True
+            result, tupled = self._segment_forward(segment, _SegmentCache(states, layer, slots, previous), name,
+                                                   args, kwargs)
             if out is None:
                 out = result.new_empty((1, hidden_states.shape[1], *result.shape[2:]))
             out[0, rows] = result.reshape(len(rows), *result.shape[2:])
@@ -389,6 +383,14 @@ class _PerSequenceState:
         if out is None:  # a row of padding only (nothing of a sequence to compute)
             return super().forward(hidden_states, *args, **kwargs)
         return (out, None) if tupled else out
+
+    def _segment_forward(self, segment: torch.Tensor, cache: _SegmentCache, name: str, args, kwargs):
+        """The module's own forward of ``segment`` with ``cache`` as its cache argument ``name``, its
+        states stored after: (its output, whether the output came as a tuple: MiniMax's returns its
+        state beside it, and its layer reads the output only)."""
+        result = super().forward(segment, *args, **{**kwargs, name: cache})
+        cache.store()
+        return (result[0], True) if isinstance(result, tuple) else (result, False)
 
 
 _CLASSES: dict[type, type] = {}
