@@ -333,9 +333,6 @@ def test_other_image_text_families_are_refused_before_loading():
     from server.engine.capability import UnsupportedModelError, check_servable
 
     with pytest.raises(UnsupportedModelError, match="image-text families served are gemma3, idefics3, internvl, "
-                       "llava, llava_next, llava_onevision, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl, smolvlm"):
+                       "llava, llava_next, llava_onevision, mistral3, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_5_moe, "
+                       "qwen3_vl, smolvlm"):
         check_servable(PaliGemmaConfig())
-    from transformers import LlavaConfig, PixtralVisionConfig
-
-    with pytest.raises(UnsupportedModelError, match="Pixtral vision tower is not served"):
-        check_servable(LlavaConfig(vision_config=PixtralVisionConfig()))

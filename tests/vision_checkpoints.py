@@ -625,3 +625,55 @@ def at_once(**calls) -> dict:
     for t in threads:
         t.join(120)
     return results
+
+
+PIXTRAL_TOKENS = {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}
+PIXTRAL_LONGEST = 56  # the image processor's longest edge: 4 patches of 14 at most a side
+
+
+def write_pixtral_checkpoint(path, model_type: str = "llava", *, seed: int = 0, max_shard_size="40KB") -> str:
+    """Save a random-weight model with a Pixtral vision tower (2 layers over images resized to at
+    most 56 pixels a side, each side a multiple of the 14-pixel patch: its 2-D rope places a patch by
+    its row and column, and every image attends only within itself): Pixtral-12B's layout (``llava``:
+    a patch a token, the ``full`` features of the last layer, a Llama text model) or Mistral 3's
+    (``mistral3``: 2x2 patches merged into a token by its projector, a Mistral text model). Its
+    processor is saved as its parts (PIL image processor, tokenizer with ``[IMG]``, ``[IMG_BREAK]``
+    and ``[IMG_END]``, ``processor_config.json``): an image is its rows of ``[IMG]`` tokens, each row
+    ended by ``[IMG_BREAK]``, the last by ``[IMG_END]``."""
+    from transformers import AutoTokenizer, LlavaConfig, LlavaForConditionalGeneration, MistralConfig, \
+        Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer().save_pretrained(tmp)
+        tok = AutoTokenizer.from_pretrained(tmp, extra_special_tokens=PIXTRAL_TOKENS)
+    tok.chat_template = CHAT_TEMPLATE.replace("'<image>'", "'[IMG]'")
+    image_token_id = tok.convert_tokens_to_ids(PIXTRAL_TOKENS["image_token"])
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 head_dim=8, image_size=PIXTRAL_LONGEST, patch_size=PATCH_SIZE)
+    torch.manual_seed(seed)
+    if model_type == "mistral3":
+        merge = 2
+        text = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                             tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        config = Mistral3Config(vision_config=vision, text_config=text, image_token_index=image_token_id,
+                                projector_hidden_act="gelu", vision_feature_layer=-1, spatial_merge_size=merge,
+                                tie_word_embeddings=False)
+        model = Mistral3ForConditionalGeneration(config)
+    elif model_type == "llava":
+        merge = 1
+        config = LlavaConfig(vision_config=vision, text_config=make_config("llama", len(tok)),
+                             image_token_id=image_token_id, projector_hidden_act="gelu", vision_feature_layer=-1,
+                             vision_feature_select_strategy="full", tie_word_embeddings=False)
+        model = LlavaForConditionalGeneration(config)
+    else:
+        raise ValueError(model_type)
+    with torch.no_grad():
+        for linear in (model.model.multi_modal_projector.linear_1, model.model.multi_modal_projector.linear_2):
+            linear.weight.normal_(0.0, PROJECTOR_STD)
+    path = str(path)
+    model.to(torch.float32).save_pretrained(path, max_shard_size=max_shard_size)
+    save_processor_parts(path, PixtralImageProcessorPil(size={"longest_edge": PIXTRAL_LONGEST}, patch_size=PATCH_SIZE),
+                         tok, "PixtralProcessor", patch_size=PATCH_SIZE, spatial_merge_size=merge, **PIXTRAL_TOKENS)
+    return path

@@ -15,7 +15,7 @@ which the engine encodes (``server.engine.multimodal``). A prompt whose placehol
 its images (a placeholder typed as text, an image without one) is a 400 too. An image carries its
 geometry where the family's encoder takes one (:data:`IMAGE_GEOMETRY`: Qwen-VL's patch grid, whose
 pixel values are the processor's patch rows for it; LLaVA-NeXT's original size, whose pixel values
-are its tiles).
+are its tiles; Pixtral's resized size, whose pixel values are cropped to it).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from server.http.errors import MediaError
 
 IMAGE_GEOMETRY = ("image_grid_thw", "image_sizes")
 """The processor's outputs that give each image's geometry to the encoder (``ImageInput.grid``):
-Qwen-VL's patch grid, LLaVA-NeXT's original size."""
+Qwen-VL's patch grid, LLaVA-NeXT's original size, Pixtral's size after its resize."""
 
 IMAGE_MARKDOWN = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
 """TGI's image syntax in ``inputs``: ``![](url)``."""
@@ -171,9 +171,11 @@ def decode_image(data: bytes, policy: MediaPolicy):
 
 
 def load_processor(model_dir: str):
-    """The model's processor (``AutoProcessor``). A processor that also takes videos is built from
-    its image processor and tokenizer where transformers cannot make its video processor (Qwen-VL's
-    needs torchvision, which not every torch build has): images are all the engine takes."""
+    """The model's processor (``AutoProcessor``). Where transformers builds it only with torchvision
+    (which not every torch build has): a processor that also takes videos is built from its image
+    processor and tokenizer (Qwen-VL's video processor needs torchvision; images are all the engine
+    takes), and Pixtral's (Pixtral-12B, Mistral 3) as :func:`pixtral_processor_class`'s, over the
+    PIL backend of its image processor."""
     from transformers import AutoProcessor
 
     try:
@@ -181,7 +183,66 @@ def load_processor(model_dir: str):
     except (ImportError, ValueError) as exc:  # InternVL's says so with a ValueError
         if "torchvision" not in str(exc).lower():
             raise
+        if _processor_class_name(model_dir) == "PixtralProcessor":
+            return pixtral_processor_class().from_pretrained(model_dir)
         return _image_processor_only(model_dir)
+
+
+def _processor_class_name(model_dir: str) -> str | None:
+    """The ``processor_class`` the checkpoint's processor files name, or None."""
+    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                named = json.load(f).get("processor_class")
+            if named:
+                return named
+    return None
+
+
+@functools.cache
+def pixtral_processor_class():
+    """transformers' ``PixtralProcessor`` less its import of the torchvision image processor's
+    module (it takes one resize function from it, for ``_get_num_multimodal_tokens``, which this
+    one does not have): the same settings (``processor_config.json``) and the same expansion of an
+    ``[IMG]`` placeholder into the image's rows of ``[IMG]`` tokens, each row ended by
+    ``[IMG_BREAK]`` and the last by ``[IMG_END]``. ``tests/test_vision_pixtral.py`` checks it against
+    transformers' own class, imported there past that import."""
+    from transformers.processing_utils import ProcessorMixin
+
+    class PixtralProcessor(ProcessorMixin):
+        def __init__(self, image_processor=None, tokenizer=None, patch_size: int = 16, spatial_merge_size: int = 1,
+                     chat_template=None, image_token="[IMG]", image_break_token="[IMG_BREAK]",
+                     image_end_token="[IMG_END]", **kwargs):
+            super().__init__(image_processor, tokenizer, chat_template=chat_template)
+            self.patch_size, self.spatial_merge_size = patch_size, spatial_merge_size
+            self.image_token, self.image_break_token, self.image_end_token = \
+                image_token, image_break_token, image_end_token
+            self.image_token_id = tokenizer.convert_tokens_to_ids(image_token)
+            self.image_break_token_id = tokenizer.convert_tokens_to_ids(image_break_token)
+            self.image_end_token_id = tokenizer.convert_tokens_to_ids(image_end_token)
+
+        @property
+        def image_token_ids(self) -> list[int]:
+            return [self.image_token_id, self.image_break_token_id, self.image_end_token_id]
+
+        def _process_images(self, images, **images_kwargs):
+            images_kwargs["patch_size"] = self.patch_size * self.spatial_merge_size
+            return super()._process_images(images, **images_kwargs)
+
+        def replace_image_token(self, image_inputs: dict, image_idx: int, **kwargs) -> str:
+            patch = self.patch_size * self.spatial_merge_size
+            height, width = image_inputs["image_sizes"][image_idx]
+            rows = [[self.image_token] * (int(width) // patch) + [self.image_break_token]] * (int(height) // patch)
+            tokens = [token for row in rows for token in row]
+            tokens[-1] = self.image_end_token
+            return "".join(tokens)
+
+        @property
+        def model_input_names(self):
+            return self.tokenizer.model_input_names + self.image_processor.model_input_names + ["image_sizes"]
+
+    return PixtralProcessor
 
 
 def _image_processor_only(model_dir: str):
@@ -229,6 +290,8 @@ class ImagePrompts:
         self.tiled_alone = family is not None and family.tiled_alone
         # InternVL: every image's tiles in one flat batch, image_seq_length tokens a tile
         self.tile_tokens = processor.image_seq_length if family is not None and family.flat_tiles else None
+        # Pixtral: an image's pixels at its own resized size, which the processor pads to a request's largest
+        self.sized = family is not None and family.sized
         # an image's own tiles from its size (LLaVA-NeXT, whose processor pads a request's images to its
         # most tiles): what its model takes of them, so that its pixels and key are its own alone
         self.tiles_of = tiles_of
@@ -303,6 +366,8 @@ class ImagePrompts:
                 pixels = [pixel[:1] for pixel in pixels]
             elif self.tiles_of is not None:
                 pixels = [pixel[:self.tiles_of(grid)] for pixel, grid in zip(pixels, grids)]
+            elif self.sized:  # its own size, less the request's padding
+                pixels = [pixel[:, :height, :width] for pixel, (height, width) in zip(pixels, grids)]
             pixels = [pixel.unsqueeze(0) for pixel in pixels]
             masks = [mask.unsqueeze(0) for mask in masks] if masks is not None else None
         inputs, at = [], 0
@@ -320,7 +385,9 @@ class ImagePrompts:
         """Each image's image tokens, from the processor's own arithmetic."""
         if self.per_tile is not None:  # its tiles' (the processor's own count is the whole span, markers too)
             return [tiles * self.per_tile for tiles in self._tiles(images)]
-        if self.tiled_alone:  # by its companions' number, which _get_num_multimodal_tokens does not know
+        # LLaVA-OneVision's by its companions' number, which _get_num_multimodal_tokens does not know;
+        # Pixtral's among the row markers that count counts
+        if self.tiled_alone or self.sized:
             return [self.processor.replace_image_token(out, i).count(self.image_token) for i in range(len(images))]
         sizes = [[image.height, image.width] for image in images]
         counted = self.processor._get_num_multimodal_tokens(image_sizes=sizes)

@@ -78,10 +78,6 @@ def check_servable(config, model_class=None) -> None:
         raise UnsupportedModelError(
             architecture, "its images are not computed by the engine: the image-text families served are "
             f"{', '.join(sorted(SERVED_IMAGE_TEXT_MODEL_TYPES))} (video is not yet)")
-    if takes_images and getattr(getattr(config, "vision_config", None), "model_type", None) == "pixtral":
-        raise UnsupportedModelError(
-            architecture, "its Pixtral vision tower is not served yet (transformers builds Pixtral's processor only "
-            "with torchvision, so its images' rows among [IMG_BREAK] markers are untested here)")
     if getattr(text, "kv_lora_rank", None):
         from server.engine.mla import has_mla_modules
 

@@ -67,10 +67,14 @@ class ImageFamily:
     # an image is tiles [tiles, C, H, W], every image's concatenated by the processor, its tokens the
     # processor's image_seq_length a tile (InternVL)
     flat_tiles: bool = False
+    # an image is its pixels [1, C, H, W] at its own size (Pixtral's tower: H and W multiples of its
+    # patch), its geometry that size, its tokens its rows of patches among row markers ([IMG_BREAK])
+    sized: bool = False
 
 
 IMAGE_FAMILIES = {
-    "llava": ImageFamily(),
+    "llava": ImageFamily(),  # (with a Pixtral tower, Pixtral-12B: PIXTRAL_TOWER)
+    "mistral3": ImageFamily(sized=True),
     "llava_next": ImageFamily(),
     "llava_onevision": ImageFamily(tiled_alone=True),
     "internvl": ImageFamily(tensor_features=True, flat_tiles=True),
@@ -93,10 +97,16 @@ is its whole image's features and a newline, so its key and its cached embedding
 
 SERVED_IMAGE_TEXT_MODEL_TYPES = frozenset(IMAGE_FAMILIES)
 
+PIXTRAL_TOWER = ImageFamily(sized=True)
+"""What any served family with a Pixtral vision tower is (a LLaVA's: Pixtral-12B; Mistral 3's)."""
+
 
 def image_family(config) -> ImageFamily | None:
     """The family of a model's ``config`` served with images, or None."""
-    return IMAGE_FAMILIES.get(getattr(config, "model_type", None))
+    family = IMAGE_FAMILIES.get(getattr(config, "model_type", None))
+    if family is not None and getattr(getattr(config, "vision_config", None), "model_type", None) == "pixtral":
+        return PIXTRAL_TOWER
+    return family
 
 
 GEOMETRY_ARGUMENTS = ("image_grid_thw", "image_sizes")
@@ -156,7 +166,7 @@ class ImageEncoder:
         parameters = inspect.signature(self.base.get_image_features).parameters
         self.geometry = next((name for name in GEOMETRY_ARGUMENTS if name in parameters), None)
         self.family = image_family(model.config)
-        self.blank, self.blank_grid = _blank_image(model.config, device, self.family.tiles)
+        self.blank, self.blank_grid = _blank_image(model.config, device, self.family)
         self.blank_mask = torch.ones(self.blank.shape[:2] + self.blank.shape[3:], dtype=torch.bool, device=device) \
             if self.family.tiles else None
         self.output_class = None  # what get_image_features returns (BaseModelOutputWithPooling or a subclass)
@@ -180,6 +190,10 @@ class ImageEncoder:
             torch.set_num_threads(threads)  # the idle ranks' cores, as the step's forward (server.engine.cores)
         if self.family.tiled_alone:
             return self._tiled_alone(images)
+        if self.family.sized and sum(image.count for image in images) < 2:
+            # Mistral 3's get_image_features squeezes a batch of one token into none: the blank beside it
+            pixels = _stack([pixel_tensor(image).to(self.device) for image in images] + [self.blank])
+            return self._features(pixels, [image.grid for image in images] + [self.blank_grid], None)[:len(images)]
         pixels = _stack([pixel_tensor(image) for image in images]).to(self.device)
         masks = _stack([mask_tensor(image) for image in images], tile_dim=1).to(self.device) \
             if self.family.tiles else None
@@ -253,18 +267,23 @@ class ImageEncoder:
         self._settled = True
 
 
-def _blank_image(config, device: torch.device, tiles: bool = False) -> tuple[torch.Tensor, list[int]]:
+def _blank_image(config, device: torch.device, family: ImageFamily) -> tuple[torch.Tensor, list[int]]:
     """The smallest image the encoder takes (zeros) and its geometry: a square of ``image_size``
     (CLIP), its tiles with its size (LLaVA-NeXT), one tile of ones (Idefics3: all-zero tiles are
-    padding it drops), or one merged patch's worth of patch rows (Qwen-VL: grid [1, merge, merge])."""
+    padding it drops), or one merged patch's worth of patch rows (Qwen-VL: grid [1, merge, merge]),
+    or two merged patches' of pixels side by side (Pixtral: its size; Mistral 3's ``get_image_features``
+    squeezes the rows of a batch of one token into none)."""
     vision = config.vision_config
     channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", 3)
     merge = getattr(vision, "spatial_merge_size", None)
     if merge is not None and getattr(vision, "temporal_patch_size", None) is not None:
         patch = channels * vision.temporal_patch_size * vision.patch_size ** 2
         return torch.zeros(merge * merge, patch, device=device), [1, merge, merge]
+    if family.sized:
+        side = vision.patch_size * getattr(config, "spatial_merge_size", 1)
+        return torch.zeros(1, channels, side, 2 * side, device=device), [side, 2 * side]
     size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
-    if tiles:
+    if family.tiles:
         return torch.ones(1, 1, channels, size, size, device=device), []
     pinpoints = getattr(config, "image_grid_pinpoints", None)
     if pinpoints:
@@ -279,10 +298,15 @@ def _blank_image(config, device: torch.device, tiles: bool = False) -> tuple[tor
 def _stack(pixels: list[torch.Tensor], tile_dim: int | None = None) -> torch.Tensor:
     """Images' pixel values (or masks: ``tile_dim`` 1) in one batch along dim 0, each zero-padded to
     the most tiles among them (LLaVA-NeXT's encoder drops each image's padding tiles by its size,
-    Idefics3's the all-zero ones)."""
+    Idefics3's the all-zero ones), or images of their own sizes [1, C, H, W] to the largest height
+    and width among them (Pixtral's encoder drops each image's padding patches by its size, as its
+    processor pads a request's images)."""
     if (tile_dim is not None or pixels[0].dim() == 5) and len({p.shape[1] for p in pixels}) > 1:
         most = max(p.shape[1] for p in pixels)
         pixels = [torch.nn.functional.pad(p, (0, 0) * (p.dim() - 2) + (0, most - p.shape[1])) for p in pixels]
+    elif pixels[0].dim() == 4 and len({p.shape[2:] for p in pixels}) > 1:
+        height, width = max(p.shape[2] for p in pixels), max(p.shape[3] for p in pixels)
+        pixels = [torch.nn.functional.pad(p, (0, width - p.shape[3], 0, height - p.shape[2])) for p in pixels]
     return torch.cat(pixels)
 
 
