@@ -118,7 +118,7 @@ def _load_mapped(rank, world_size, path, map_files, cold):
     if cold:  # (these files are too small to stay cold: reading a header reads the whole file ahead)
         import loaders.streaming
 
-        loaders.streaming.is_cold = lambda fd, offsets: True
+        loaders.streaming.is_cold = lambda fd, spans: True
     loaded = load_hsdp_model(path, HSDPInferenceConfig(), map_files=map_files)
     regions = []
     with open("/proc/self/maps") as f:
@@ -193,19 +193,57 @@ def test_rows_at_an_offset_their_dtype_cannot_view_are_read_instead(tmp_path):
 
 
 def test_is_cold_asks_the_page_cache(tmp_path):
+    """The kernel's account of a rank's pages (mincore): a file is cold where more than a quarter of
+    them are not in the page cache; the pages it asks about are not read in by asking."""
+    from loaders.safetensors_io import resident_fraction
+    from loaders.streaming import is_cold
+
+    path = tmp_path / "big.bin"
+    path.write_bytes(os.urandom(8 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    mib = 1 << 20
+    try:
+        if resident_fraction(fd, [(0, mib)]) is None:
+            pytest.skip("no mincore here: is_cold falls back to RWF_NOWAIT probes")
+        assert resident_fraction(fd, [(0, 8 * mib)]) == 1.0 and not is_cold(fd, [(0, 8 * mib)])  # just written
+        os.fdatasync(fd)  # (a dirty page is not dropped)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert resident_fraction(fd, [(0, 8 * mib)]) == 0.0 and is_cold(fd, [(6 * mib, mib)])
+        assert resident_fraction(fd, [(0, 8 * mib)]) == 0.0  # asking read nothing in
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # (no readahead beyond what is read)
+        os.pread(fd, 7 * mib, 0)
+        assert not is_cold(fd, [(0, 8 * mib)])  # 7/8 in
+        assert is_cold(fd, [(0, mib), (7 * mib, mib)])  # half of these in
+        assert not is_cold(fd, [(mib + 100, 2 * mib)])  # (offsets inside pages)
+        exact = resident_fraction(fd, [(0, 8 * mib)])
+        assert exact == pytest.approx(7 / 8, abs=0.01)
+        with pytest.MonkeyPatch.context() as patch:  # beyond RESIDENCY_PAGES: windows of them, evenly spaced
+            import loaders.safetensors_io
+
+            patch.setattr(loaders.safetensors_io, "RESIDENCY_PAGES", 512)
+            patch.setattr(loaders.safetensors_io, "RESIDENCY_WINDOW", 16)
+            assert resident_fraction(fd, [(0, 8 * mib)]) == pytest.approx(exact, abs=0.02)
+            assert resident_fraction(fd, [(7 * mib, mib), (0, mib)]) == pytest.approx(0.5, abs=0.02)
+    finally:
+        os.close(fd)
+
+
+def test_is_cold_without_mincore_probes_each_span(tmp_path, monkeypatch):
+    import loaders.streaming
     from loaders.streaming import is_cold
 
     if not hasattr(os, "RWF_NOWAIT"):
         pytest.skip("no RWF_NOWAIT: is_cold cannot ask, and says warm")
+    monkeypatch.setattr(loaders.streaming, "resident_fraction", lambda fd, spans: None)
     path = tmp_path / "big.bin"
     path.write_bytes(os.urandom(8 << 20))
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert not is_cold(fd, [0, 4 << 20])  # just written: in the page cache
-        os.fdatasync(fd)  # (a dirty page is not dropped)
+        assert not is_cold(fd, [(0, 1 << 20), (4 << 20, 1 << 20)])  # just written: in the page cache
+        os.fdatasync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        assert is_cold(fd, [6 << 20])
+        assert is_cold(fd, [(6 << 20, 1 << 20)])
         os.pread(fd, 1 << 20, 6 << 20)
-        assert not is_cold(fd, [6 << 20])
+        assert not is_cold(fd, [(6 << 20, 1 << 20)])
     finally:
         os.close(fd)
