@@ -35,6 +35,7 @@ from loaders.errors import (
     error_from_record,
     error_to_record,
 )
+from loaders.modes import READ_MODES
 from loaders.quantization import quantization_plan, quantize_skeleton
 from loaders.quantization.linear import check_nothing_else_quantized
 from loaders.quantization.on_load import quantize_rows, quantize_skeleton_on_load
@@ -57,7 +58,6 @@ from shard_engine.torch_private import set_buffer, set_parameter
 from shard_engine.transfer import Slot, held_tensors, manifest_difference, shard_rows
 
 logger = logging.getLogger(__name__)
-READ_MODES = ("sliced", "full")
 
 
 @dataclass

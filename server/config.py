@@ -17,8 +17,8 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 
-from loaders import READ_MODES
-from shard_engine.config import ENCODER_MODES
+from loaders.modes import READ_MODES
+from shard_engine.modes import ENCODER_MODES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

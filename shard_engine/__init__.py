@@ -1,75 +1,62 @@
 """FSDP2 HSDP sharding for inference. Knows nothing of checkpoint files or HTTP.
 
 Names and semantics follow vLLM-Omni's HSDP inference helpers.
+
+Its names are imported at their first use (PEP 562), not with the package: ``server.config``
+reads the encoder modes from ``shard_engine.modes`` without importing torch, so that ``hsdp-serve --help``
+and a mistyped flag answer at once.
 """
 
-from shard_engine.config import MESH_AXES, HSDPInferenceConfig, build_hsdp_mesh
-from shard_engine.overlap import (
-    Residency,
-    disable_forward_prefetch,
-    enable_forward_prefetch,
-    local_parameter_bytes,
-    set_resident_units,
-    shared_weights_of,
-)
-from shard_engine.shm import remove_owned_now, sweep_stale
-from shard_engine.shm_all_gather import (
-    SharedMemoryAllGather,
-    SharedMemoryPool,
-    enable_shared_memory_all_gather,
-    slots_for_depth,
-)
-from shard_engine.sharding import (
-    HSDPShardContext,
-    apply_hsdp_to_model,
-    default_device,
-    finalize_hsdp_root,
-    hsdp_root_unsharded,
-    parameter_like,
-    prepare_hsdp_shard_context,
-    shard_hsdp_module,
-    shard_model,
-)
-from shard_engine.units import (
-    default_shard_conditions,
-    detect_decoder_layer_names,
-    find_ignored_param_names,
-    fsdp_units,
-    owning_unit,
-    select_units,
-    tied_across_units,
-)
+from __future__ import annotations
 
-__all__ = [
-    "MESH_AXES",
-    "HSDPInferenceConfig",
-    "HSDPShardContext",
-    "Residency",
-    "SharedMemoryAllGather",
-    "SharedMemoryPool",
-    "apply_hsdp_to_model",
-    "build_hsdp_mesh",
-    "default_device",
-    "default_shard_conditions",
-    "detect_decoder_layer_names",
-    "disable_forward_prefetch",
-    "enable_forward_prefetch",
-    "enable_shared_memory_all_gather",
-    "finalize_hsdp_root",
-    "find_ignored_param_names",
-    "fsdp_units",
-    "hsdp_root_unsharded",
-    "local_parameter_bytes",
-    "owning_unit",
-    "parameter_like",
-    "prepare_hsdp_shard_context",
-    "select_units",
-    "set_resident_units",
-    "shared_weights_of",
-    "shard_hsdp_module",
-    "shard_model",
-    "slots_for_depth",
-    "tied_across_units",
-    "remove_owned_now",
-    "sweep_stale",
-]
+import importlib
+
+_EXPORTS = {
+    "MESH_AXES": "shard_engine.modes",
+    "HSDPInferenceConfig": "shard_engine.config",
+    "HSDPShardContext": "shard_engine.sharding",
+    "Residency": "shard_engine.overlap",
+    "SharedMemoryAllGather": "shard_engine.shm_all_gather",
+    "SharedMemoryPool": "shard_engine.shm_all_gather",
+    "apply_hsdp_to_model": "shard_engine.sharding",
+    "build_hsdp_mesh": "shard_engine.config",
+    "default_device": "shard_engine.sharding",
+    "default_shard_conditions": "shard_engine.units",
+    "detect_decoder_layer_names": "shard_engine.units",
+    "disable_forward_prefetch": "shard_engine.overlap",
+    "enable_forward_prefetch": "shard_engine.overlap",
+    "enable_shared_memory_all_gather": "shard_engine.shm_all_gather",
+    "finalize_hsdp_root": "shard_engine.sharding",
+    "find_ignored_param_names": "shard_engine.units",
+    "fsdp_units": "shard_engine.units",
+    "hsdp_root_unsharded": "shard_engine.sharding",
+    "local_parameter_bytes": "shard_engine.overlap",
+    "owning_unit": "shard_engine.units",
+    "parameter_like": "shard_engine.sharding",
+    "prepare_hsdp_shard_context": "shard_engine.sharding",
+    "select_units": "shard_engine.units",
+    "set_resident_units": "shard_engine.overlap",
+    "shared_weights_of": "shard_engine.overlap",
+    "shard_hsdp_module": "shard_engine.sharding",
+    "shard_model": "shard_engine.sharding",
+    "slots_for_depth": "shard_engine.shm_all_gather",
+    "tied_across_units": "shard_engine.units",
+    "remove_owned_now": "shard_engine.shm",
+    "sweep_stale": "shard_engine.shm",
+}
+"""Each name this package exports -> the module that declares it (imported at its first use)."""
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shard_engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -8,9 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_AXES = ("replicate", "shard")
-ENCODER_MODES = ("shard", "replicate")
-"""``HSDPInferenceConfig.encoder``: an image-text model's encoder as units, or whole on every rank."""
+from shard_engine.modes import ENCODER_MODES, MESH_AXES
 
 
 @dataclass(kw_only=True)

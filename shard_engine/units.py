@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from shard_engine.config import ENCODER_MODES
+from shard_engine.modes import ENCODER_MODES
 from shard_engine.torch_private import fsdp_params, gathered_dtype, gathered_numel, local_numel
 
 logger = logging.getLogger(__name__)
