@@ -165,6 +165,16 @@ def test_help_lists_every_option():
     assert "90% of what is free" in text and "--slow-reader-timeout" in text
 
 
+def test_the_options_import_no_torch():
+    """``--help`` and a usage error answer before torch (2-5 s of imports) or the ranks' fork server start."""
+    code = "import sys, server.config; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr)
+    out = subprocess.run([sys.executable, "-m", "server", "--no-such-flag"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "unrecognized arguments: --no-such-flag" in out.stderr
+
+
 def test_whitespace_in_streamed_tool_arguments_costs_microseconds_a_token():
     """The old trailing-brace regex was cubic in a run of whitespace: 3,000 spaces took minutes."""
     for head in ('<tool_call>\n{"name": "f", "arguments": {"a":', "<tool_call>\n{"):
