@@ -164,6 +164,7 @@ class BatchSampler:
         # token ids no row ever chooses, whatever its biases and grammar (an image model's placeholders:
         # server.engine.multimodal.placeholder_ids); their log-probabilities are still the model's
         self.never: list[int] = []
+        self._never_index: tuple[tuple[int, ...], torch.device, torch.Tensor] | None = None
 
     def sample(self, logits_NV: torch.Tensor, rows: list[Row],
                allowed: RowMasks | None = None) -> list[tuple[int, float, list[tuple[int, float]]]]:
@@ -177,13 +178,13 @@ class BatchSampler:
         logprobs_NV = torch.log_softmax(logits_NV, dim=-1)
         tops = {i: torch.topk(logprobs_NV[i], row.params.top_logprobs)
                 for i, row in enumerate(rows) if row.params.top_logprobs}
-        if self.never:
-            logits_NV[:, self.never] = float("-inf")
+        never = self._never_on(logits_NV.device)
+        if never is not None:
+            logits_NV.index_fill_(1, never, float("-inf"))
         if allowed is not None:
             choosable = allowed.allowed_MV
-            if self.never:
-                choosable = choosable.clone()
-                choosable[:, self.never] = False
+            if never is not None:
+                choosable = choosable.index_fill(1, never, False)
             if not bool(choosable.any(dim=-1).all()):
                 raise ValueError("the grammar allows no token here")
             masked_MV = torch.where(allowed.allowed_MV, logits_NV.index_select(0, allowed.rows_M), float("-inf"))
@@ -222,6 +223,16 @@ class BatchSampler:
             out.append((int(host[i]), host[n + i], top))
         return out
 
+    def _never_on(self, device: torch.device) -> torch.Tensor | None:
+        """:attr:`never` as an index on ``device``, made once (a Python list as an index is a copy
+        from pageable memory each time: on a GPU a host sync a step)."""
+        if not self.never:
+            return None
+        key = (tuple(self.never), device)
+        if self._never_index is None or self._never_index[:2] != key:
+            self._never_index = (*key, to_device(self.never, device, torch.long))
+        return self._never_index[2]
+
     def _uniform(self, row: Row) -> float:
         seed = row.params.seed if row.params.seed is not None else 0
         self._generator.manual_seed(token_seed(seed, row.num_generated))
@@ -254,10 +265,11 @@ class BatchSampler:
             scores = scores.index_copy(0, index, sub[:, :vocab])
         scores = _penalize_generated(scores, rows)
         biased = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items() if t < vocab]
-        if biased:
-            rows_i, cols, bias = zip(*biased)
-            scores = scores.index_put((to_device(rows_i, device), to_device(cols, device)),
-                                      to_device(bias, device, scores.dtype), accumulate=True)
+        if biased:  # each (row, token) once (a row's biases are a dict): one add at each's flat position,
+            # not index_put(accumulate=True), whose CUDA kernel checks its indices' bounds on the host (4 syncs)
+            flat = to_device([i * vocab + t for i, t, _ in biased], device)
+            bias = to_device([b for _, _, b in biased], device, scores.dtype)
+            scores = scores.reshape(-1).index_add(0, flat, bias).view(scores.shape)
         warped = [i for i, r in enumerate(rows) if r.params.samples]
         if not warped:
             return scores
