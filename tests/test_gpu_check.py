@@ -12,7 +12,7 @@ import sys
 from tests.server_process import REPO
 
 PHASES = ["env", "checkpoint", "load", "residency", "parity_dtype", "decode", "prefetch", "step_profile",
-          "sampling_syncs", "compiled", "serve", "parity_fp32", "cpu_offload", "quantized", "families", "peer_transfer"]
+          "sampling_syncs", "serve", "parity_fp32", "cpu_offload", "quantized", "compiled", "families", "peer_transfer"]
 
 
 def test_gpu_check_dry_run(tmp_path):
@@ -32,8 +32,9 @@ def test_gpu_check_dry_run(tmp_path):
     assert phases["cpu_offload"]["equal_to_resident_engine"]
     assert phases["peer_transfer"]["receiver"]["equal"] and phases["peer_transfer"]["backend"] == "gloo"
     assert phases["sampling_syncs"]["greedy_syncs"] is None  # counted on a GPU only
+    assert phases["env"]["torch_private"] == "ok"
     assert all(phases["quantized"][f]["equal"] == phases["quantized"][f]["of"] == 3
-               for f in ("fp8-block-16", "w4a16", "w8a8"))
+               for f in ("fp8-block-16", "w4a16", "w8a8", "fp8-experts", "w4a16-experts"))
     from benchmarks.gpu_check import COMPILED_FAMILIES, GPU_FAMILIES
 
     assert all(phases["families"][f]["equal"] == phases["families"][f]["of"] == 3 for f in GPU_FAMILIES)
@@ -52,3 +53,16 @@ def test_gpu_check_dry_run(tmp_path):
     markdown = (out / "gpu_check.md").read_text()
     assert "| serve | yes |" in markdown and "dtype: float32" in markdown
     assert (out / "step_profile.txt").read_text().count("function calls") == 2
+
+
+def test_phases_past_the_budget_are_skipped_not_failed(tmp_path):
+    """A lent device's minutes are few: what the budget leaves out is recorded as skipped, and the
+    run is ok where nothing that ran failed."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(out),
+                           "--workdir", str(tmp_path / "work"), "--budget-s", "0"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    doc = json.loads((out / "gpu_check.json").read_text())
+    assert proc.returncode == 0 and doc["ok"], proc.stderr[-3000:]
+    assert doc["phases"]["env"]["ok"] is True and doc["skipped"] == PHASES[1:]
+    assert "| checkpoint | skipped |" in (out / "gpu_check.md").read_text()
