@@ -161,8 +161,19 @@ def checksum(t: torch.Tensor) -> int:
         import xxhash
 
         return xxhash.xxh3_64_intdigest(flat.numpy()) & ((1 << 63) - 1)
-    words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat.to(torch.int32)
-    weights = torch.arange(1, words.numel() + 1, device=t.device, dtype=torch.int64) % 65521
+    return device_checksum(flat)
+
+
+def device_checksum(flat: torch.Tensor) -> int:
+    """:func:`checksum`'s sum for a device tensor's bytes (``flat``, uint8), where it lies: its 32-bit
+    words where the bytes number a multiple of 4, else each byte as one; the way chosen by the byte
+    count alone, so that sender and receiver sum alike whatever their pieces' offsets in memory (a
+    view at an offset not a multiple of 4 is copied first: a 32-bit view of it cannot be taken)."""
+    if flat.numel() % 4 == 0:
+        words = (flat if flat.storage_offset() % 4 == 0 else flat.clone()).view(torch.int32)
+    else:
+        words = flat.to(torch.int32)
+    weights = torch.arange(1, words.numel() + 1, device=flat.device, dtype=torch.int64) % 65521
     return int(((words.to(torch.int64) * weights).sum() % (1 << 32)).item())
 
 

@@ -161,3 +161,24 @@ def test_a_peer_that_loads_the_model_otherwise_or_does_not_share_refuses_in_word
         assert r.status_code == 422 and param in r.json()["error"], r.text
     r = sender.client.post("/admin/peer-load", content=b"{not json")
     assert r.status_code == 422 and r.json()["error_type"] == "validation"
+
+
+def test_the_device_checksum_takes_pieces_at_any_offset():
+    """A GPU piece's sum (``device_checksum``, run here on CPU tensors): a bf16 shard of rows that
+    starts at an odd element (rows 683.. of 2048 over 3 ranks) cannot be viewed as 32-bit words in
+    place; its sum is that of the same bytes anywhere, and another byte changes it."""
+    import torch
+
+    from shard_engine.transfer import device_checksum
+
+    whole = torch.randn(2048, 3, dtype=torch.bfloat16)
+    piece = whole.view(-1)[683 * 3:]  # 1365 rows of 3: an odd element offset
+    flat = piece.view(torch.uint8)
+    assert flat.storage_offset() % 4 != 0 and flat.numel() % 4 == 2
+    assert device_checksum(flat) == device_checksum(flat.clone())
+    even = whole.view(-1)[2047:2047 + 4096].view(torch.uint8)  # a multiple of 4 bytes at an offset of 2 mod 4
+    assert even.numel() % 4 == 0 and even.storage_offset() % 4 == 2
+    assert device_checksum(even) == device_checksum(even.clone())
+    changed = even.clone()
+    changed[100] ^= 1
+    assert device_checksum(changed) != device_checksum(even)
