@@ -340,6 +340,22 @@ def test_cpu_attention_with_values_narrower_than_keys_equals_torchs(gqa):
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_grouped_heads_expanded_for_a_masked_chunk_equal_enable_gqa():
+    """What kernels.sdpa does on CUDA for a masked prompt chunk of grouped heads (no fused kernel takes
+    a mask with enable_gqa): the keys and values repeated to the query heads give enable_gqa's
+    result, widened values too; on CPU it never expands."""
+    from server.engine.kernels import expands_heads, sdpa
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 8, 24, 64, generator=gen)
+    k, v = torch.randn(2, 2, 40, 64, generator=gen), torch.randn(2, 2, 40, 48, generator=gen)
+    mask = torch.ones(24, 40, dtype=torch.bool).tril(16)
+    want = sdpa(q, k, v, mask, 0.125, enable_gqa=True, expand_heads=False)
+    got = sdpa(q, k, v, mask, 0.125, enable_gqa=True, expand_heads=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not expands_heads(q, k, mask, True)  # a CPU tensor
+
+
 @pytest.mark.parametrize("heads, head_dim", [(16, 16), (32, 64), (71, 64)])  # 71: Falcon-RW-7B's
 def test_falcon_rw_bias_is_the_models_own(heads, head_dim):
     """The engine's ALiBi bias for Falcon-RW's bfloat16 slopes equals, bit for bit, the bias the

@@ -80,20 +80,40 @@ def context_groups(contexts: list[int]) -> list[list[int]] | None:
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-         enable_gqa: bool = False) -> torch.Tensor:
+         enable_gqa: bool = False, expand_heads: bool | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention``, with values narrower than the keys (multi-head latent
     attention: keys of kv_lora_rank + rope, values of kv_lora_rank; expanded, keys of nope + rope and
     values of v) widened to the keys' head dim with zeros on CPU, and the output cut back: torch's
     CPU flash kernel takes one head dim for all three and otherwise falls back to the unfused math
     path, 2-3x slower at MLA's dims (measured on 2 cores: a 512-query chunk over 2048 latents of 160,
     52 -> 19 ms; a decode of 16 sequences over 512, 0.82 -> 0.25 ms). The zero columns add nothing
-    to the cut output."""
+    to the cut output.
+
+    ``expand_heads`` (None: :func:`expands_heads` decides): grouped keys and values repeated to the
+    query heads before the call instead of ``enable_gqa``. On CUDA no fused kernel takes a mask
+    with ``enable_gqa`` (flash takes no mask, the memory-efficient kernel no grouped heads), so a
+    masked prompt chunk would run in the math backend, its float32 scores [heads, queries, keys]
+    whole (8.6 GB for an 8192-token chunk of 32 heads): expanded, the memory-efficient kernel takes
+    it. Unmeasured: no GPU was lent when this was written (``benchmarks/gpu_check.py`` runs it)."""
+    if expand_heads is None:
+        expand_heads = expands_heads(q, k, mask, enable_gqa)
+    if expand_heads:
+        groups = q.shape[-3] // k.shape[-3]
+        k, v, enable_gqa = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3), False
     width, value_dim = k.shape[-1], v.shape[-1]
     if q.device.type != "cpu" or value_dim >= width:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     out = F.scaled_dot_product_attention(q, k, F.pad(v, (0, width - value_dim)), attn_mask=mask, scale=scale,
                                          enable_gqa=enable_gqa)
     return out[..., :value_dim]
+
+
+def expands_heads(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, enable_gqa: bool) -> bool:
+    """Whether :func:`sdpa` repeats grouped keys and values to the query heads: on CUDA, for a masked
+    call of more than one query a sequence (a prompt chunk's; a decode's scores are one row a head,
+    cheaper in the math backend than the keys and values copied)."""
+    return (q.device.type == "cuda" and enable_gqa and mask is not None and q.shape[-2] > 1
+            and q.shape[-3] != k.shape[-3])
 
 
 def alibi_bias(slopes_H: torch.Tensor, positions_L: torch.Tensor, valid, shape: tuple[int, ...],
