@@ -347,7 +347,8 @@ def _shard_for_serving(loaded, cfg: ServeConfig, device, mesh_shape, group: _Gro
     # each shard group maps its own ring: its sharers are the group's ranks (all on this host)
     engine.memory = MemoryReport(shards=shards, resident=extra, kv_pool=engine.cache.nbytes, states=engine.states,
                                  ring=group.shm_pool, ring_sharers=min(local_ranks, mesh_shape[1]),
-                                 shared_weights=residency.shared_bytes, shared_weights_sharers=residency.shared_with)
+                                 shared_weights=residency.shared_bytes, shared_weights_sharers=residency.shared_with,
+                                 device=device)
     if dist.get_rank() == 0:
         logger.info("KV cache: %s blocks of %d tokens per rank (%.1f MB per rank, %d bytes per token)",
                     "/".join(str(b) for _, _, b in per_rank), cfg.kv_block_size, engine.cache.nbytes / 1e6,
@@ -476,7 +477,8 @@ def _describe_group(state, scheduler, loaded, per_rank, residency, shm_pool, cfg
         state.metrics.kv_blocks.labels(str(r), "used").set_function(lambda pool=pool: pool.num_used)
         state.metrics.kv_blocks.labels(str(r), "cached").set_function(lambda pool=pool: pool.num_cached)
         for kind in ("shards", "resident", "shared_weights_share", "gather_ring_share", "kv_pool", "state_pool",
-                     "runtime", "rss", "pss"):
+                     "runtime", "rss", "pss", *(("device_allocated", "device_reserved") if loaded.context.target_device.type
+                                                == "cuda" else ())):
             state.metrics.rank_memory.labels(str(r), kind).set_function(
                 lambda r=r, kind=kind: (scheduler.rank_memory[r] or {}).get(kind, 0))
     state.dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")

@@ -84,3 +84,17 @@ def test_what_a_thread_freed_goes_back_with_one_arena():
     kept_mb = int(subprocess.run([sys.executable, "-c", _THREAD_ARENA], cwd=REPO, env=env, capture_output=True,
                                  text=True, timeout=120, check=True).stdout.split()[-1])
     assert kept_mb < 20, kept_mb
+
+
+def test_a_gpu_ranks_parts_are_not_taken_from_its_host_memory():
+    """On a GPU the shards and the KV pool are device memory: a rank's runtime is its whole host PSS
+    (on CPU the parts are subtracted from it), whatever the parts' sizes."""
+    import torch
+
+    from server.group.memory import MemoryReport
+
+    parts = {"shards": 1 << 40, "resident": 0, "kv_pool": 1 << 40}
+    on_host = MemoryReport(**parts, device=torch.device("cpu")).snapshot()
+    assert on_host["runtime"] == 0  # (the parts exceed the process: nothing is left for the runtime)
+    on_device = MemoryReport(**parts, device=torch.device("meta")).snapshot()  # (not CPU: device memory)
+    assert on_device["runtime"] == on_device["pss"] > 0 and "device_allocated" not in on_device

@@ -163,19 +163,28 @@ class MemoryReport:
     """One rank's accounting; the fixed parts are measured once, the process's figures each time."""
 
     def __init__(self, *, shards: int, resident: int, kv_pool: int, ring=None, ring_sharers: int = 1,
-                 shared_weights: int = 0, shared_weights_sharers: int = 1, states=None):
+                 shared_weights: int = 0, shared_weights_sharers: int = 1, states=None, device=None):
         # shards: private shard bytes; resident: private gathered copies; shared_weights: the
         # host's one copy of the resident units (shards that are views of it are counted there)
         self.fixed = {"shards": shards, "resident": resident, "kv_pool": kv_pool, "shared_weights": shared_weights,
                       "shared_weights_share": shared_weights // max(1, shared_weights_sharers)}
         self.ring, self.ring_sharers = ring, max(1, ring_sharers)  # the ring grows at the first forwards
         self.states = states  # a stateful model's server.engine.state.StatePool (allocated whole at startup)
+        # a GPU rank's parts are device memory: none of them is in the process's host figures (runtime is
+        # all of its PSS), and the device's own allocated bytes are reported beside them
+        self.device = device if device is not None and device.type != "cpu" else None
 
     def snapshot(self) -> dict[str, int]:
         ring = self.ring.nbytes if self.ring is not None else 0
         parts = {**self.fixed, "gather_ring": ring, "gather_ring_share": ring // self.ring_sharers,
                  "state_pool": self.states.nbytes if self.states is not None else 0}
         now = process_memory()
+        if self.device is not None:
+            import torch
+
+            device = {"device_allocated": torch.cuda.memory_allocated(self.device),
+                      "device_reserved": torch.cuda.memory_reserved(self.device)} if self.device.type == "cuda" else {}
+            return {**parts, **now, **device, "runtime": now["pss"]}
         accounted = (parts["shards"] + parts["resident"] + parts["shared_weights_share"] + parts["gather_ring_share"]
                      + parts["kv_pool"] + parts["state_pool"])
         return {**parts, **now, "runtime": max(0, now["pss"] - accounted)}

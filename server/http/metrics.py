@@ -78,7 +78,8 @@ class ServerMetrics:
                                ["rank", "state"], registry=r)
         self.rank_memory = Gauge("hsdp_rank_memory_bytes", "Each rank's memory by kind: shards, resident, "
                                  "gather_ring_share, kv_pool, state_pool, runtime, and the process's rss and pss "
-                                 "(reported every few seconds)", ["rank", "kind"], registry=r)
+                                 "(on a GPU the parts are device memory, runtime is the host process's pss, and "
+                                 "device_allocated and device_reserved are torch's; reported every few seconds)", ["rank", "kind"], registry=r)
         self.failures = Counter("hsdp_failures", "Failed requests by reason", ["reason"], registry=r)
         self.connections_timed_out = Counter(
             "hsdp_connections_timed_out", "Connections closed by a deadline: headers, body, slow_reader "
