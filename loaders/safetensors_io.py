@@ -253,15 +253,27 @@ windows of ``RESIDENCY_WINDOW`` pages evenly spaced through them (a 5 GB shard o
 checkpoint: ~20 ms a file a rank, where all of its pages would take 75 ms)."""
 
 
+def _may_ask_mincore(fd: int, stat: os.stat_result) -> bool:
+    """Whether mincore tells this process the truth about ``fd``'s pages: since Linux 5.0 only for a
+    file it owns or may write (else every page reads as resident), as the kernel's own test does
+    (the owner or a capable process, else write permission: none on a read-only mount)."""
+    if os.geteuid() in (0, stat.st_uid):
+        return True
+    effective = os.access in os.supports_effective_ids
+    return os.access(f"/proc/self/fd/{fd}", os.W_OK, effective_ids=effective)
+
+
 def resident_fraction(fd: int, spans: list[tuple[int, int]]) -> float | None:
     """The fraction of the pages holding ``spans`` ([(offset, bytes)] of the open file ``fd``)
     that are in the page cache, from the kernel's own account (``mincore`` over a mapping of the
     file made for the question and unmapped after it: nothing is read or faulted in; beyond
     :data:`RESIDENCY_PAGES` pages, windows of them evenly spaced); None where it cannot say (no such
-    call, a file that cannot be mapped)."""
+    call, a file that cannot be mapped, a file this process neither owns nor may write: mincore then
+    calls every page resident, :func:`_may_ask_mincore`)."""
     libc = _libc()
-    size = os.fstat(fd).st_size
-    if libc is None or not size:
+    stat = os.fstat(fd)
+    size = stat.st_size
+    if libc is None or not size or not _may_ask_mincore(fd, stat):
         return None
     base = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     if base in (None, ctypes.c_void_p(-1).value):
@@ -281,13 +293,23 @@ def resident_fraction(fd: int, spans: list[tuple[int, int]]) -> float | None:
         if not runs:
             return 1.0
         total = sum(end - first for first, end in runs)
-        if total <= RESIDENCY_PAGES:  # one call over the runs' whole range, then each run's share of it
-            low, pages = runs[0][0], runs[-1][1] - runs[0][0]
-            vector = bytearray(pages)
-            if libc.mincore(base + low * page, pages * page, (ctypes.c_ubyte * pages).from_buffer(vector)) != 0:
-                return None
-            resident_bits = vector.translate(_LOW_BIT)  # (a byte's other bits are undefined)
-            absent = sum(resident_bits.count(0, first - low, end - low) for first, end in runs)
+        if total <= RESIDENCY_PAGES:  # every page asked about (a call costs its range's pages, asked or not)
+            low, span = runs[0][0], runs[-1][1] - runs[0][0]
+            if span <= RESIDENCY_PAGES:  # one call over the runs' range, then each run's share of it
+                vector = bytearray(span)
+                if libc.mincore(base + low * page, span * page, (ctypes.c_ubyte * span).from_buffer(vector)) != 0:
+                    return None
+                resident_bits = vector.translate(_LOW_BIT)  # (a byte's other bits are undefined)
+                absent = sum(resident_bits.count(0, first - low, end - low) for first, end in runs)
+            else:  # a call a run
+                vector = bytearray(max(end - first for first, end in runs))
+                absent = 0
+                for first, end in runs:
+                    count = end - first
+                    if libc.mincore(base + first * page, count * page,
+                                    (ctypes.c_ubyte * count).from_buffer(vector)) != 0:
+                        return None
+                    absent += vector[:count].translate(_LOW_BIT).count(0)
             return (total - absent) / total
         # windows of the runs' pages evenly spaced through them, a call each
         stride = total // (RESIDENCY_PAGES // RESIDENCY_WINDOW)

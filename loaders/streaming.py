@@ -174,24 +174,32 @@ two cost the same near a quarter, with faults taken to cost about three times th
 def is_cold(fd: int, spans: list[tuple[int, int]]) -> bool:
     """Whether more than :data:`COLD_FRACTION` of the pages holding ``spans`` ([(offset, bytes)] of an
     open file: a rank's rows of it) are not in the page cache, from the kernel's own account
-    (:func:`loaders.safetensors_io.resident_fraction`). Where that cannot say: whether the first byte
-    of some span is not, by a 1-byte read that must not wait for the device (``RWF_NOWAIT``) at each;
-    False where neither can say (the reads then go as for a warm file)."""
+    (:func:`loaders.safetensors_io.resident_fraction`). Where that cannot say (a file this process
+    neither owns nor may write, as on a read-only model volume): whether more than that share of
+    the first bytes of up to :data:`COLD_PROBES` spans, evenly spread, are not, by a 1-byte read at
+    each that must not wait for the device (``RWF_NOWAIT``); False where neither can say (the
+    reads then go as for a warm file)."""
     fraction = resident_fraction(fd, spans)
     if fraction is not None:
         return fraction < 1 - COLD_FRACTION
     flag = getattr(os, "RWF_NOWAIT", None)
-    if flag is None:
+    if flag is None or not spans:
         return False
     buf = bytearray(1)
-    for offset, _ in spans:
+    probed = [spans[i * len(spans) // COLD_PROBES] for i in range(COLD_PROBES)] if len(spans) > COLD_PROBES else spans
+    absent = 0
+    for offset, _ in probed:
         try:
             os.preadv(fd, [buf], offset, flag)
         except BlockingIOError:
-            return True
+            absent += 1
         except OSError:  # EOPNOTSUPP and the like: no answer
             return False
-    return False
+    return absent > COLD_FRACTION * len(probed)
+
+
+COLD_PROBES = 64
+"""At most this many 1-byte probes a file where :func:`is_cold` cannot ask mincore."""
 
 
 class _Prefetch:
@@ -379,16 +387,16 @@ class _StreamingLoad:
         )
         remote = self.files.remote.get(path)  # an s3:// object: ranged GETs instead of reads
         fd = remote if remote is not None else os.open(path, os.O_RDONLY)
-        cold = remote is None and is_cold(fd, self._rank_spans(entries))
-        if remote is None and maps_rows(self.map_files, cold):
-            self._mapping = map_file(fd)
-        # the next tensors in flight while this one is sharded: GETs from a store; positioned reads of a local
-        # file where the host has cores its ranks leave idle (:func:`local_read_ahead`); none of a mapped one
-        window = self.load_concurrency if remote is not None else 0 if self._mapping is not None else (
-            local_read_ahead(self.load_concurrency, cold=cold))
-        if window:
-            self._prefetch = _Prefetch(self, fd, path, entries, window)
         try:
+            cold = remote is None and is_cold(fd, self._rank_spans(entries))
+            if remote is None and maps_rows(self.map_files, cold):
+                self._mapping = map_file(fd)
+            # the next tensors in flight while this one is sharded: GETs from a store; positioned reads of a local
+            # file where the host has cores its ranks leave idle (:func:`local_read_ahead`); none of a mapped one
+            window = self.load_concurrency if remote is not None else 0 if self._mapping is not None else (
+                local_read_ahead(self.load_concurrency, cold=cold))
+            if window:
+                self._prefetch = _Prefetch(self, fd, path, entries, window)
             for key, info in entries:
                 self._read_tensor(fd, path, key, info)
                 bar.update(info.nbytes)
@@ -405,14 +413,20 @@ class _StreamingLoad:
         self.stats.files_read += 1
 
     def _rank_spans(self, entries) -> list[tuple[int, int]]:
-        """The bytes of a file this rank reads, as (offset, bytes) a tensor: its rows of each (its
-        shard's, by rows, in a sliced load; the whole tensor else)."""
+        """The bytes of a file this rank reads, as (offset, bytes) a tensor: its rows of a tensor the
+        model shards (in a sliced load), the whole of one it holds whole or a conversion reads, none of
+        one the model does not have."""
         out = []
         for key, info in entries:
-            if info.shape and self.read_mode == "sliced":
+            if not info.nbytes:
+                continue
+            name = self._model_key(key) if key not in self.conversions.target_of else None
+            if name is not None and name not in self.layout.expected:
+                continue  # not the model's (another class's head, an unexpected key): never read
+            if name is not None and info.shape and self.read_mode == "sliced" and self._is_sharded(name):
                 start, stop = shard_rows(info.shape[0], self.shard_size, self.shard_rank)
                 out.append((info.start + start * info.row_bytes, (stop - start) * info.row_bytes))
-            elif info.nbytes:
+            else:
                 out.append((info.start, info.nbytes))
         return out
 

@@ -10,6 +10,8 @@ from safetensors.torch import load_file
 
 from tests.dist import run_ranks, values
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _shuffled_copy(src, dst, seed):
     """Link ``src``'s files into ``dst`` with the index's entries (and so its files) reordered."""
@@ -245,5 +247,44 @@ def test_is_cold_without_mincore_probes_each_span(tmp_path, monkeypatch):
         assert is_cold(fd, [(6 << 20, 1 << 20)])
         os.pread(fd, 1 << 20, 6 << 20)
         assert not is_cold(fd, [(6 << 20, 1 << 20)])
+        spans = [(i << 20, 4096) for i in range(8)]  # one of eight first bytes absent: not more than a quarter
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for offset, _ in spans[1:]:
+            os.pread(fd, 1, offset)
+        assert not is_cold(fd, spans)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert is_cold(fd, spans)
     finally:
         os.close(fd)
+
+
+_NOT_OWNER = """
+import os, sys
+sys.path.insert(0, sys.argv[2])
+from loaders.safetensors_io import resident_fraction
+from loaders.streaming import is_cold
+fd = os.open(sys.argv[1], os.O_RDONLY)
+os.setgid(65534); os.setuid(65534)  # (after the imports and the open: the folders above may be root's alone)
+print(resident_fraction(fd, [(0, 8 << 20)]), is_cold(fd, [(0, 8 << 20)]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="switches to another user: needs root")
+def test_is_cold_for_a_file_this_process_does_not_own(tmp_path):
+    """mincore calls every page of a file resident to a process that neither owns it nor may write it
+    (Linux >= 5.0; a read-only model volume, an image's root-owned files): resident_fraction says it
+    cannot tell, and is_cold probes instead, so a cold file is still read as cold."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "big.bin"
+    path.write_bytes(os.urandom(8 << 20))
+    path.chmod(0o644)
+    fd = os.open(path, os.O_RDONLY)
+    os.fdatasync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    out = subprocess.run([sys.executable, "-c", _NOT_OWNER, str(path), REPO], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", "True"], out.stdout
