@@ -996,8 +996,10 @@ def main(argv=None) -> int:
 
     report.doc["ok"] = all(ph.get("ok") is not False for ph in report.doc["phases"].values())
     report.doc["skipped"] = [name for name, ph in report.doc["phases"].items() if ph.get("ok") is None]
+    report.doc["complete"] = not report.doc["skipped"]  # (ok with phases skipped checked less: say so)
     report.write()
-    log(f"wrote {args.out}/gpu_check.json and gpu_check.md; ok={report.doc['ok']}")
+    log(f"wrote {args.out}/gpu_check.json and gpu_check.md; ok={report.doc['ok']}, complete={report.doc['complete']}"
+        + (f" (skipped past --budget-s: {', '.join(report.doc['skipped'])})" if report.doc["skipped"] else ""))
     with contextlib.suppress(Exception):
         from server.group.process_group import close_rank
 

@@ -8,13 +8,13 @@ def run() -> None:
 
     from server.config import parse_serve_config
 
-    parse_serve_config(sys.argv[1:])  # exits with the usage or the error; main() parses them again
+    cfg = parse_serve_config(sys.argv[1:])  # exits with the usage or the error
     from server.group.forkserver import start
 
     start()
     from server.main import main
 
-    main()
+    main(cfg=cfg)
 
 
 if __name__ == "__main__":

@@ -518,11 +518,13 @@ def sampling_defaults(model) -> dict:
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, cfg: ServeConfig | None = None) -> None:
+    """Serve as the options say: ``cfg`` where the caller parsed them (``server.__main__``: the
+    options are parsed once, ``--api-key-file`` read once, a pipe's contents too), else ``argv``'s."""
     from loaders.errors import CheckpointError
     from loaders.sources import resolve_model_on_node
 
-    cfg = parse_serve_config(argv)
+    cfg = cfg if cfg is not None else parse_serve_config(argv)
     configure_logging(cfg.log_level)
     for name in unknown_variables():
         logger.warning("unknown variable %s is ignored (hsdp-serve --help names the variables)", name)

@@ -25,7 +25,7 @@ def test_gpu_check_dry_run(tmp_path):
     failed = {name: p.get("error") for name, p in doc["phases"].items() if not p.get("ok")}
     assert not failed, failed
     assert list(doc["phases"]) == PHASES
-    assert proc.returncode == 0 and doc["ok"]
+    assert proc.returncode == 0 and doc["ok"] and doc["complete"]
     phases = doc["phases"]
     assert phases["parity_fp32"]["equal"] == phases["parity_fp32"]["of"] == 4
     assert phases["serve"]["greedy_equal_to_engine"] and phases["serve"]["exit_code"] == 0
@@ -64,5 +64,5 @@ def test_phases_past_the_budget_are_skipped_not_failed(tmp_path):
                           text=True, timeout=300)
     doc = json.loads((out / "gpu_check.json").read_text())
     assert proc.returncode == 0 and doc["ok"], proc.stderr[-3000:]
-    assert doc["phases"]["env"]["ok"] is True and doc["skipped"] == PHASES[1:]
+    assert doc["phases"]["env"]["ok"] is True and doc["skipped"] == PHASES[1:] and not doc["complete"]
     assert "| checkpoint | skipped |" in (out / "gpu_check.md").read_text()

@@ -9,6 +9,7 @@ without a server (the parsers, the config, the response class).
 from __future__ import annotations
 
 import json
+import os
 import math
 import socket
 import subprocess
@@ -173,6 +174,22 @@ def test_the_options_import_no_torch():
     out = subprocess.run([sys.executable, "-m", "server", "--no-such-flag"], cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "unrecognized arguments: --no-such-flag" in out.stderr
+
+
+def test_an_api_key_file_is_read_once(tmp_path):
+    """``--api-key-file`` may be a pipe (``<(pass show ...)``, /dev/stdin): the options are parsed once, so
+    its contents are there when the server reads them. The key a FIFO gives reaches the checks past
+    the options: here, the model, which does not exist."""
+    import threading
+
+    fifo = tmp_path / "key"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("a-key-from-a-pipe\n"), daemon=True)
+    writer.start()
+    out = subprocess.run([sys.executable, "-m", "server", "--api-key-file", str(fifo), "--model",
+                          str(tmp_path / "no-such-model")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    writer.join(5)
+    assert "api-key-file" not in out.stderr and "no-such-model" in out.stderr, out.stderr[-2000:]
 
 
 def test_whitespace_in_streamed_tool_arguments_costs_microseconds_a_token():

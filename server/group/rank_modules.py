@@ -12,10 +12,14 @@ import transformers.masking_utils  # noqa: F401
 import transformers.modeling_utils  # noqa: F401
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-import loaders  # noqa: F401
+import loaders.peer  # noqa: F401
+import loaders.streaming  # noqa: F401  (the packages' inits import nothing: PEP 562, their modules here)
 import server.engine  # noqa: F401
 import server.group.control  # noqa: F401
 import server.group.lifecycle  # noqa: F401
 import server.http.app  # noqa: F401
 import server.http.listener  # noqa: F401
-import shard_engine  # noqa: F401
+import shard_engine.overlap  # noqa: F401
+import shard_engine.sharding  # noqa: F401
+import shard_engine.shm_all_gather  # noqa: F401
+import shard_engine.units  # noqa: F401
