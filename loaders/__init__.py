@@ -2,14 +2,13 @@
 
 Knows files, names, shapes and dtypes; the sharding itself is ``shard_engine``'s.
 
-Its names are imported at their first use (PEP 562), not with the package: ``server.config``
-reads the read modes from ``loaders.modes`` without importing torch, so that ``hsdp-serve --help``
-and a mistyped flag answer at once.
+Every name below is imported from its module at its first use (``shard_engine.lazy``): the
+read modes' names come from ``loaders.modes`` alone, without torch.
 """
 
 from __future__ import annotations
 
-import importlib
+from shard_engine.lazy import lazy_exports
 
 _EXPORTS = {
     "READ_MODES": "loaders.modes",
@@ -33,15 +32,4 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'loaders' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -2,14 +2,12 @@
 
 Names and semantics follow vLLM-Omni's HSDP inference helpers.
 
-Its names are imported at their first use (PEP 562), not with the package: ``server.config``
-reads the encoder modes from ``shard_engine.modes`` without importing torch, so that ``hsdp-serve --help``
-and a mistyped flag answer at once.
+Lazy (``shard_engine.lazy``): ``import shard_engine.modes`` brings the options' names without torch.
 """
 
 from __future__ import annotations
 
-import importlib
+from shard_engine.lazy import lazy_exports
 
 _EXPORTS = {
     "MESH_AXES": "shard_engine.modes",
@@ -48,15 +46,4 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'shard_engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
