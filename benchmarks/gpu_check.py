@@ -702,10 +702,8 @@ def _phase_serve(p: dict, run: Run) -> None:
 
 
 def _phase_parity_fp32(p: dict, run: Run) -> None:
-    deadline, parity_new, prefill_tokens, state = run.deadline, run.parity_new, run.prefill_tokens, run.state
+    parity_new, prefill_tokens, state = run.parity_new, run.prefill_tokens, run.state
     device, path = run.device, run.path
-    if time.monotonic() > deadline:
-        raise PastBudget("past --budget-s")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     ours32 = load_ours(path, device, torch.float32)
@@ -722,11 +720,9 @@ def _phase_parity_fp32(p: dict, run: Run) -> None:
 
 
 def _phase_cpu_offload(p: dict, run: Run) -> None:
-    deadline, dtype, prefill_tokens, state = run.deadline, run.dtype, run.prefill_tokens, run.state
+    dtype, prefill_tokens, state = run.dtype, run.prefill_tokens, run.state
     device, path = run.device, run.path
     # FSDP's CPU offload: shards in host memory, copied in for each unit's forward
-    if time.monotonic() > deadline:
-        raise PastBudget("past --budget-s")
     from loaders import load_hsdp_model
     from shard_engine import HSDPInferenceConfig
 
@@ -749,11 +745,8 @@ def _phase_quantized(p: dict, run: Run) -> None:
     8.9 or more its FP8 path quantizes activations and multiplies in FP8, which the engine's
     dequantized weights do not), for W8A8 and the W4A16 experts transformers' own load."""
     import tests.quantized_checkpoints as qc
-    from tests.checkpoints import write_checkpoint
-
-    if time.monotonic() > run.deadline:
-        raise PastBudget("past --budget-s")
     from shard_engine import set_resident_units
+    from tests.checkpoints import write_checkpoint
 
     torch.backends.cuda.matmul.allow_tf32 = False
     device, root = run.device, pathlib.Path(run.path).parent / "quantized"
@@ -816,11 +809,9 @@ def _phase_families(p: dict, run: Run) -> None:
     the family's REFERENCE_ATTENTION; on CUDA transformers finds the stateful layers' kernels
     where they are installed, and so does the engine, which runs the modules' own dispatch)."""
     from shard_engine import set_resident_units
-    from tests.test_families import _reference_attention, _write
-
-    if time.monotonic() > run.deadline:
-        raise PastBudget("past --budget-s")
     from transformers import AutoModelForCausalLM
+
+    from tests.test_families import _reference_attention, _write
 
     torch.backends.cuda.matmul.allow_tf32 = False
     device, root = run.device, pathlib.Path(run.path).parent / "families"

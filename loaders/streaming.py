@@ -418,16 +418,13 @@ class _StreamingLoad:
         one the model does not have."""
         out = []
         for key, info in entries:
-            if not info.nbytes:
-                continue
             name = self._model_key(key) if key not in self.conversions.target_of else None
             if name is not None and name not in self.layout.expected:
                 continue  # not the model's (another class's head, an unexpected key): never read
-            if name is not None and info.shape and self.read_mode == "sliced" and self._is_sharded(name):
-                start, stop = shard_rows(info.shape[0], self.shard_size, self.shard_rank)
-                out.append((info.start + start * info.row_bytes, (stop - start) * info.row_bytes))
-            else:
-                out.append((info.start, info.nbytes))
+            start, stop = self._rows_to_read(name, info) if name is not None else (0, info.shape[0] if info.shape else 0)
+            _, offset, nbytes = row_span(info, start, stop)
+            if nbytes:
+                out.append((offset, nbytes))
         return out
 
     def _read_tensor(self, fd: int, path: str, key: str, info) -> None:
