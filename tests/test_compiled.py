@@ -243,14 +243,16 @@ def test_compiled_decode_of_a_stateful_model_equals_eager_on_2_ranks(tmp_path):
         assert {1, 2, 4, 5} <= set(got["batches"]) and got["every_step_fit_a_graph"], got
 
 
-STATEFUL_COMPILED = ["qwen3_next", "falcon_h1", "mamba", "jamba@model", "kimi_linear", "minimax", "zamba2"]
+STATEFUL_COMPILED = ["qwen3_next", "falcon_h1", "mamba", "jamba@model", "kimi_linear", "minimax", "zamba2",
+                     "recurrent_gemma"]
 """Stateful families compiled in process, by layer (``family@model``: the model's graph):
 gated delta-net beside attention and experts; attention and Mamba2 in one layer; Mamba-1 alone,
 and beside attention and experts; Kimi delta attention beside latent attention (its latents
 written through :class:`~server.engine.attention.LayerPools`); MiniMax's lightning attention (its
 module returns its state beside its output; its model called with ``use_cache=False``); Zamba2's
 hybrid layers, each holding a Mamba layer (compiled as one graph) and a shared block tied across
-layers (kept out of FSDP). LFM2 on 2 ranks above; every
+layers (kept out of FSDP); RecurrentGemma's layers, which take their cache by position (and its
+blocks their states through their own attributes). LFM2 on 2 ranks above; every
 served stateful family was checked once by hand by layer, those before Qwen3.5 in both regions."""
 
 

@@ -171,6 +171,12 @@ def _config(family: str, vocab: int = 300):
         "zamba2": lambda: T.Zamba2Config(**{**common, "num_hidden_layers": 6}, use_mamba_kernels=False,
                                          num_mem_blocks=2,
                                          layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "mamba", "hybrid"]),
+        # Griffin: RG-LRU recurrent blocks (a short convolution and a gated linear recurrence, their
+        # state in module attributes: server.engine.state._StateInAttributes) beside local attention
+        # with half-dimension rope; soft-capped logits
+        "recurrent_gemma": lambda: T.RecurrentGemmaConfig(**{**common, "num_hidden_layers": 4},
+                                                          attention_window_size=WINDOW, lru_width=64,
+                                                          conv1d_width=4, logits_soft_cap=30.0),
         # (transformers builds it from two hybrid layers up, so 12 layers)
         "zamba": lambda: T.ZambaConfig(**{**common, "num_hidden_layers": 12, "num_key_value_heads": 4}),
         "falcon_40b": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
@@ -191,7 +197,7 @@ def _config(family: str, vocab: int = 300):
 
 STATEFUL = ["lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h",
             "falcon_h1", "mamba", "falcon_mamba", "jamba", "qwen3_5", "qwen3_5_moe", "kimi_linear", "bailing_hybrid",
-            "lara_mini", "minimax", "zamba", "zamba2"]
+            "lara_mini", "minimax", "zamba", "zamba2", "recurrent_gemma"]
 """The hybrid and state-space families (server.engine.state)."""
 SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "olmo2", "granite",
           "cohere", "gpt_neox", "gpt2", "gpt_oss", "qwen3_moe", "mixtral", "llama_dynamic_rope", "phi3_longrope",
@@ -430,7 +436,8 @@ def test_recurrent_state_is_each_sequences_own(family, monkeypatch):
     torch.manual_seed(0)
     config = _config(family)
     # the short convolutions' projections scaled up: a random model's tokens then depend on its states
-    model = _sharp(AutoModelForCausalLM.from_config(config), ("in_proj", "out_proj", "conv", "conv1d"), 4.0).eval()
+    model = _sharp(AutoModelForCausalLM.from_config(config),
+                   ("in_proj", "out_proj", "conv", "conv1d", "conv_1d", "linear_x", "linear_out"), 4.0).eval()
     reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     reference.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(3)

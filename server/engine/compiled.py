@@ -145,11 +145,14 @@ def _layer_forward(layer: nn.Module, *args, **kwargs):
     wrapper around this, compiled). A layer whose forward keeps its keywords from its attention
     (:data:`server.engine.adapters.POOLS_KEYWORD` names its cache's keyword), and a stateful
     model's layer (its states under :data:`LAYER_STATES`), get their pools (and states) in place of
-    the cache (:class:`server.engine.attention.LayerPools`)."""
+    the cache (:class:`server.engine.attention.LayerPools`), passed by keyword or by position."""
     keyword = getattr(layer, POOLS_KEYWORD, None)
     states = kwargs.pop(LAYER_STATES, None)
     if states is not None:  # a stateful model's layer: its cache keyword's (none: its states found by its index)
         keyword = next((k for k, v in kwargs.items() if isinstance(v, PagedKVCache)), None)
+        at = next((i for i, v in enumerate(args) if isinstance(v, PagedKVCache)), None)
+        if keyword is None and at is not None and LAYER_POOLS in kwargs:  # passed by position (RecurrentGemma's)
+            args = (*args[:at], LayerPools(args[at].layout, kwargs.pop(LAYER_POOLS), states), *args[at + 1:])
     if keyword is not None and LAYER_POOLS in kwargs:
         kwargs[keyword] = LayerPools(kwargs[keyword].layout, kwargs.pop(LAYER_POOLS), states)
     return type(layer).forward(layer, *args, **kwargs)
@@ -415,7 +418,7 @@ class _CompiledLayers:
 def _call_and_go_direct(graph, name: str, /, *args, **kwargs):
     """A warm-up's call of ``graph`` (a CompiledCall, ``name`` in the log); on a graph's first call,
     its code entered directly from then on where that is the same (``CompiledCall.go_direct``)."""
-    restore = _states_restorer(kwargs)
+    restore = _states_restorer(args, kwargs)
     output = graph.call(*args, **kwargs)
     if not graph.direct_tried:
         why = graph.go_direct(args, kwargs, output, before_again=restore)
@@ -428,7 +431,7 @@ def _disagreement(graph, layer: nn.Module, args, kwargs) -> str | None:
     """Why a loaded graph's output on a layer's warm-up inputs is not eager's (None: it is, to 1e-2
     of its norm in float32, 5e-2 in 16-bit types: a graph of other code is far off, or fails).
     Both write the same keys and values."""
-    restore = _states_restorer(kwargs)
+    restore = _states_restorer(args, kwargs)
     expected = _layer_forward(layer, *args, **kwargs)
     if restore is not None:
         restore()
@@ -444,14 +447,14 @@ def _disagreement(graph, layer: nn.Module, args, kwargs) -> str | None:
     return None if error <= tolerance else f"is {error:.2g} of the norm from eager"
 
 
-def _states_restorer(kwargs) -> Callable[[], None] | None:
+def _states_restorer(args, kwargs) -> Callable[[], None] | None:
     """For a stateful layer's warm-up call (its states among ``kwargs``: :data:`LAYER_STATES`): a
     function that puts the states of the step's slots back as they are now, so that a second call,
     a check of the first, starts from the same states (None for a layer without)."""
     states = kwargs.get(LAYER_STATES)
     if states is None:
         return None
-    cache = next((v for v in kwargs.values() if isinstance(v, PagedKVCache)), None)
+    cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, PagedKVCache)), None)
     if cache is None:
         return None
     slots = cache.layout.state_slots_S

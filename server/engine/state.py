@@ -7,8 +7,10 @@ Qwen3.5 and its MoE, OLMo-Hybrid and LaraMini; Kimi Linear's delta attention, Li
 mixers of Mamba, Jamba, Bamba, Granite-4 hybrid, Nemotron-H and Falcon-H1) keep a convolution window and a recurrent (SSM or delta-net) state
 per sequence in their cache, through one interface: ``get_conv_state`` / ``update_conv_state`` /
 ``get_recurrent_state`` / ``update_recurrent_state`` / ``is_recording_past``, the semantics of
-``transformers.cache_utils.LinearAttentionLayer``. Their code assumes a batch of sequences of
-equal length; the engine packs sequences of every length into one row. So:
+``transformers.cache_utils.LinearAttentionLayer``. (RecurrentGemma's recurrent blocks keep theirs in
+attributes of their own: :class:`_StateInAttributes` gives them the same interface.) Their code
+assumes a batch of sequences of equal length; the engine packs sequences of every length into one
+row. So:
 
 * :class:`StatePool` holds, per stateful layer and state, one tensor of slots ``[slots, ...]``
   (one sequence's state shape: :func:`state_shapes` learns it from the model's own code on the
@@ -52,7 +54,7 @@ convolution in some)."""
 SERVED_STATEFUL_MODEL_TYPES = frozenset({
     "lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1",
     "mamba", "falcon_mamba", "jamba", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid", "lara_mini",
-    "minimax", "zamba", "zamba2",
+    "minimax", "zamba", "zamba2", "recurrent_gemma",
 })
 """Stateful families the engine serves (each tested against transformers' generate)."""
 OWN_CACHE_MODEL_TYPES = frozenset({"minimax"})
@@ -93,6 +95,7 @@ def state_shapes(model: nn.Module) -> StateShapes:
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _adapt_attribute_state(skeleton)
     shapes: StateShapes = {}
     for module in skeleton.modules():
         layer = getattr(module, "layer_idx", None)
@@ -321,10 +324,67 @@ def _uses_state(cls: type) -> bool:
 
 def _scans_from_zero(cls: type) -> bool:
     """Whether the module's prompt path cannot start from a state: Mamba-1's selective scan
-    (``mamba_selective_scan``: Mamba, Falcon-Mamba, Jamba) takes no initial state, since
-    transformers' generate never continues a prompt. A later chunk of such a module's prompt then
-    goes through its one-token recurrent form, a token at a time."""
-    return "mamba_selective_scan(" in _forward_source(cls)
+    (``mamba_selective_scan``: Mamba, Falcon-Mamba, Jamba) takes no initial state, and
+    RecurrentGemma's prompt path starts its convolution from zeros, since transformers' generate
+    never continues a prompt. A later chunk of such a module's prompt then goes through its
+    one-token recurrent form, a token at a time."""
+    return "mamba_selective_scan(" in _forward_source(cls) or getattr(cls, "_prompt_starts_from_zero", False)
+
+
+class _StateInAttributes:
+    """RecurrentGemma's recurrent block (Griffin's: a short convolution, then the RG-LRU) keeps its
+    convolution window and recurrent state in attributes (``conv1d_state``, ``rg_lru.recurrent_states``)
+    that its model sets up for one batch (``_setup_cache``), not in a cache. Mixed into its class by
+    :func:`_adapt_attribute_state`, the block takes them from the cache interface the other stateful
+    modules use (``get_conv_state`` / ``update_conv_state``, ...), runs its own forward with them in
+    place, and gives them back: its state is then kept per sequence like theirs.
+
+    The block reads its positions only to tell a prompt's first token (``position_ids == 0`` resets
+    the recurrence) and a one-token call (its recurrent form) from a prompt (its convolution over the
+    chunk from zeros): the adapter gives it ``0, 1, ...`` for a part that starts its state and
+    ``1, 2, ...`` for one that continues it, whatever the row's positions. A continued prompt chunk
+    goes a token at a time (``_prompt_starts_from_zero``)."""
+
+    _prompt_starts_from_zero = True
+
+    def forward(self, input_states, position_ids=None, attention_mask=None, use_cache=True, cache=None, **kwargs):
+        if cache is None or not hasattr(cache, "get_conv_state"):
+            return super().forward(input_states, position_ids, attention_mask, use_cache=use_cache, **kwargs)
+        batch, length = input_states.shape[:2]
+        # (a compiled layer's cache names no layer: the layers' graph must not read this one's index)
+        layer = cache.layer_idx if isinstance(cache, _SegmentCache) else self.layer_idx
+        conv = cache.get_conv_state(layer)
+        self.conv1d_state, self.rg_lru.recurrent_states = conv, cache.get_recurrent_state(layer)
+        positions = torch.arange(int(conv is not None), length + int(conv is not None), device=input_states.device)
+        try:
+            out = super().forward(input_states, positions.expand(batch, length), attention_mask, use_cache=True,
+                                  **kwargs)
+            # (a continued state takes the new columns after its own, as LinearAttentionLayer's update does)
+            cache.update_conv_state(self.conv1d_state if conv is None else self.conv1d_state[..., -length:], layer)
+            cache.update_recurrent_state(self.rg_lru.recurrent_states, layer)
+        finally:
+            self.conv1d_state = self.rg_lru.recurrent_states = None
+        return out
+
+
+ATTRIBUTE_STATE_CLASSES = frozenset({"RecurrentGemmaRecurrentBlock"})
+"""Stateful modules that keep their state in attributes (:class:`_StateInAttributes`)."""
+_ATTRIBUTE_ADAPTED: dict[type, type] = {}
+
+
+def _adapt_attribute_state(model: nn.Module) -> None:
+    """Mix :class:`_StateInAttributes` into each module of ``model`` named in
+    :data:`ATTRIBUTE_STATE_CLASSES`, its ``layer_idx`` the index of the decoder layer holding it."""
+    for name, module in model.named_modules():
+        cls = type(module)
+        if cls.__name__ not in ATTRIBUTE_STATE_CLASSES or cls in _ATTRIBUTE_ADAPTED.values():
+            continue
+        parts = name.split(".")
+        module.layer_idx = next(int(p) for p in reversed(parts) if p.isdigit())
+        if cls not in _ATTRIBUTE_ADAPTED:
+            _ATTRIBUTE_ADAPTED[cls] = type(f"Cached{cls.__name__}", (_StateInAttributes, cls), {"__module__": __name__})
+            globals()[_ATTRIBUTE_ADAPTED[cls].__name__] = _ATTRIBUTE_ADAPTED[cls]
+        module.__class__ = _ATTRIBUTE_ADAPTED[cls]
 
 
 class _PerSequenceState:
@@ -405,6 +465,7 @@ def install(model: nn.Module) -> int:
     """Give every stateful module of ``model`` (one with a ``layer_idx`` whose forward reads a conv or
     recurrent state from its cache) the per-sequence forward; returns how many it has (those an
     earlier call gave it included)."""
+    _adapt_attribute_state(model)
     count = 0
     for module in model.modules():
         cls = type(module)
