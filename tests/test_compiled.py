@@ -244,7 +244,7 @@ def test_compiled_decode_of_a_stateful_model_equals_eager_on_2_ranks(tmp_path):
 
 
 STATEFUL_COMPILED = ["qwen3_next", "falcon_h1", "mamba", "jamba@model", "kimi_linear", "minimax", "zamba2",
-                     "recurrent_gemma"]
+                     "recurrent_gemma", "zaya"]
 """Stateful families compiled in process, by layer (``family@model``: the model's graph):
 gated delta-net beside attention and experts; attention and Mamba2 in one layer; Mamba-1 alone,
 and beside attention and experts; Kimi delta attention beside latent attention (its latents
@@ -252,7 +252,8 @@ written through :class:`~server.engine.attention.LayerPools`); MiniMax's lightni
 module returns its state beside its output; its model called with ``use_cache=False``); Zamba2's
 hybrid layers, each holding a Mamba layer (compiled as one graph) and a shared block tied across
 layers (kept out of FSDP); RecurrentGemma's layers, which take their cache by position (and its
-blocks their states through their own attributes). LFM2 on 2 ranks above; every
+blocks their states through their own attributes); ZAYA's attention, whose projection takes its
+cache by position and returns queries, keys and values. LFM2 on 2 ranks above; every
 served stateful family was checked once by hand by layer, those before Qwen3.5 in both regions."""
 
 
@@ -277,8 +278,9 @@ def test_compiled_decode_equals_eager_for_stateful_families(family, stateful_com
         assert got["graphs"] == 2 and got["graph_breaks"] == 0, got
     else:
         # a graph a size of each kind of layer: Kimi Linear's 3 (delta attention with a dense MLP, delta attention and
-        # latent attention with experts); Zamba2's Mamba layers and its hybrid layers of either shared block
-        most = {"kimi_linear": 6, "zamba2": 8}.get(family, 4)
+        # latent attention with experts); Zamba2's Mamba layers and its hybrid layers of either shared block; ZAYA's 3
+        # (its first layer, without a previous router state, then full and sliding-window layers)
+        most = {"kimi_linear": 6, "zamba2": 8, "zaya": 6}.get(family, 4)
         assert got["entries"] == ["1", "2+"] and 2 <= got["graphs"] <= most and got["whole_steps"] == 0, got
         assert got["wrapped"] == [], got  # checked with the states put back between the two calls
 

@@ -177,6 +177,19 @@ def _config(family: str, vocab: int = 300):
         "recurrent_gemma": lambda: T.RecurrentGemmaConfig(**{**common, "num_hidden_layers": 4},
                                                           attention_window_size=WINDOW, lru_width=64,
                                                           conv1d_width=4, logits_soft_cap=30.0),
+        # ZAYA: compressed convolutional attention (queries and keys through a short convolution, half of
+        # each value head a token late: a convolution and a recurrent state in every attention layer),
+        # full and sliding-window layers, experts routed through the previous layer's router state
+        "zaya": lambda: T.ZayaConfig(**{**common, "num_hidden_layers": 4}, head_dim=16, sliding_window=WINDOW,
+                                     layer_types=["hybrid", "hybrid_sliding", "hybrid", "hybrid_sliding"],
+                                     num_experts=4, moe_intermediate_size=32, router_hidden_size=32),
+        # xLSTM: mLSTM layers only (a matrix memory, normaliser and stabiliser a head, passed as an
+        # argument: server.engine.state_adapters), its prompts in chunks of 8 (and a shorter rest)
+        # (keys as wide as values: transformers' own cache holds a square matrix memory, so its generate,
+        # the reference, fails for xLSTM-7B's half-width keys; the engine sizes states by the layer's own)
+        "xlstm": lambda: T.xLSTMConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_heads=4,
+                                       qk_dim_factor=1.0, chunk_size=8, bos_token_id=0, eos_token_id=0,
+                                       pad_token_id=0),
         # (transformers builds it from two hybrid layers up, so 12 layers)
         "zamba": lambda: T.ZambaConfig(**{**common, "num_hidden_layers": 12, "num_key_value_heads": 4}),
         "falcon_40b": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
@@ -184,7 +197,6 @@ def _config(family: str, vocab: int = 300):
                                              bos_token_id=0, eos_token_id=0, pad_token_id=0),
     }
     refused = {
-        "zaya": lambda: T.ZayaConfig(**common),
         "qwen4_exp": lambda: T.Qwen4ExpTextConfig(**{**common, "num_hidden_layers": 4}),
         "rwkv": lambda: T.RwkvConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2),
         "t5": lambda: T.T5Config(vocab_size=vocab, d_model=64),
@@ -197,7 +209,7 @@ def _config(family: str, vocab: int = 300):
 
 STATEFUL = ["lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h",
             "falcon_h1", "mamba", "falcon_mamba", "jamba", "qwen3_5", "qwen3_5_moe", "kimi_linear", "bailing_hybrid",
-            "lara_mini", "minimax", "zamba", "zamba2", "recurrent_gemma"]
+            "lara_mini", "minimax", "zamba", "zamba2", "recurrent_gemma", "zaya", "xlstm"]
 """The hybrid and state-space families (server.engine.state)."""
 SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "olmo2", "granite",
           "cohere", "gpt_neox", "gpt2", "gpt_oss", "qwen3_moe", "mixtral", "llama_dynamic_rope", "phi3_longrope",
@@ -211,7 +223,6 @@ IMAGE_TEXT_LAYOUT = {"qwen3_5_moe"}
 beside ``model.visual.*``), and whose reference is that model's ``generate`` (the loader builds it
 image-text too: ``loaders.skeleton.builds_image_text``)."""
 REFUSED = {
-    "zaya": "recurrent or convolution state",
     "qwen4_exp": "indexed_attention",
     "rwkv": "recurrent or convolution state",
     "t5": "encoder-decoder",
@@ -464,6 +475,37 @@ def test_recurrent_state_is_each_sequences_own(family, monkeypatch):
     assert served(64)[0] != expected  # the test can tell
 
 
+def test_xlstm_with_half_width_keys_equals_its_own_forward():
+    """xLSTM-7B's shape (keys half as wide as values): transformers' generate fails on it (its cache
+    allocates a square matrix memory), so the reference is the model's own forward over the whole
+    sequence, without a cache, a token at a time. The engine sizes each state by what the layer
+    writes (the probe): chunked prompts (8 tokens a step), one sequence preempted and recomputed."""
+    import transformers as T
+
+    from tests.test_engine import Harness
+
+    torch.manual_seed(0)
+    config = T.xLSTMConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_heads=4, qk_dim_factor=0.5,
+                           chunk_size=8, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (9, 30, 13, 40, 1, 21)]
+    expected = []
+    for prompt in prompts:
+        ids = list(prompt)
+        for _ in range(12):
+            with torch.no_grad():
+                ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+        expected.append(ids[len(prompt):])
+    harness = Harness(model, blocks=20, block_size=4, prefill=8, max_running=8)
+    harness.scheduler.eos_token_ids = set()
+    outs = [harness.submit(p, 12) for p in prompts]
+    harness.run(lambda: all(o["finish"] is not None or o["error"] for o in outs))
+    assert [o["error"] for o in outs] == [None] * len(prompts)
+    assert harness.scheduler.preemptions > 0
+    assert [o["tokens"] for o in outs] == expected
+
+
 @pytest.mark.parametrize("family, small_pool", [("llama_dynamic_rope", 26), ("phi3_longrope", 28)])
 def test_length_dependent_rope_is_each_sequences_own(family, small_pool):
     """Dynamic NTK and longrope take each sequence's frequencies from its own length, as generate does
@@ -545,7 +587,8 @@ def _write(family: str, path) -> str:
 PROMPTS = ["Once upon a time there was a server that never hung, and it served every request",
            "The quick brown fox jumps over the lazy dog while the ranks gather their shards"]
 NEW_TOKENS = 10
-THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3", "bloom", "falcon_rw", "lfm2", "qwen3_next", "jamba"]
+THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3", "bloom", "falcon_rw", "lfm2", "qwen3_next", "jamba",
+                      "xlstm"]
 """The families also served through HTTP: plain attention; soft-capping with alternating windows;
 experts; multi-head latent attention (its latents cached: /info says what a token costs); ALiBi
 through an adapter (server.engine.adapters), Bloom's and Falcon-RW's bf16-rounded bias; a hybrid's per-sequence state (server.engine.state:
@@ -651,6 +694,9 @@ def test_server_on_two_ranks_matches_generate(family, tmp_path):
     elif family == "lfm2":  # its 2 attention layers of 4 cache keys and values; the conv layers keep a state
         assert info["kv_cache"]["layers"] == 2 and info["kv_cache"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
         assert info["kv_cache"]["state_bytes_per_sequence"] == 2 * 64 * 3 * 4  # 2 conv layers x [64, 3 taps]
+    elif family == "xlstm":  # no keys or values; each layer a 16 x 16 memory, a normaliser of 16 and a stabiliser a head
+        assert info["kv_cache"]["layers"] == 0
+        assert info["kv_cache"]["state_bytes_per_sequence"] == 2 * 4 * (16 * 16 + 16 + 1) * 4
     else:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # Bloom: all heads
@@ -712,13 +758,13 @@ def test_moe_checkpoint_in_hub_layout_loads_with_a_share_of_the_bytes(family, tm
 
 def test_refused_before_anything_is_read(tmp_path):
     """A hybrid checkpoint still refused (its config alone: there are no weights to read) fails in one line."""
-    path = tmp_path / "zaya"
-    _config("zaya").save_pretrained(path)
+    path = tmp_path / "rwkv"
+    _config("rwkv").save_pretrained(path)
     proc = subprocess.run([sys.executable, "-m", "server", "--model", str(path), "--device", "cpu"], cwd=REPO,
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hsdp-serve: ")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
-    assert errors[0].startswith("hsdp-serve: ZayaForCausalLM is not served: its layers carry recurrent")
+    assert errors[0].startswith("hsdp-serve: RwkvForCausalLM is not served: its layers carry recurrent")
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])

@@ -150,8 +150,11 @@ def _layer_forward(layer: nn.Module, *args, **kwargs):
     states = kwargs.pop(LAYER_STATES, None)
     if states is not None:  # a stateful model's layer: its cache keyword's (none: its states found by its index)
         keyword = next((k for k, v in kwargs.items() if isinstance(v, PagedKVCache)), None)
-        at = next((i for i, v in enumerate(args) if isinstance(v, PagedKVCache)), None)
-        if keyword is None and at is not None and LAYER_POOLS in kwargs:  # passed by position (RecurrentGemma's)
+        # passed by position (RecurrentGemma's); looked for only then: dynamo specializes every argument looked at
+        # (Zamba2's layers take their index as an int: a graph a layer)
+        at = None if keyword is not None else next((i for i, v in enumerate(args) if isinstance(v, PagedKVCache)),
+                                                   None)
+        if at is not None and LAYER_POOLS in kwargs:
             args = (*args[:at], LayerPools(args[at].layout, kwargs.pop(LAYER_POOLS), states), *args[at + 1:])
     if keyword is not None and LAYER_POOLS in kwargs:
         kwargs[keyword] = LayerPools(kwargs[keyword].layout, kwargs.pop(LAYER_POOLS), states)

@@ -85,7 +85,8 @@ class KVGeometry:
         kv_layers = None
         if is_stateful_config(config):  # a hybrid: only its attention layers cache keys and values
             cached = ATTENTION_LAYER_TYPES | HYBRID_LAYER_TYPES
-            kv_layers = tuple(i for i, t in enumerate(config.layer_types) if t in cached)
+            # (no layer types: every layer stateful, xLSTM's)
+            kv_layers = tuple(i for i, t in enumerate(getattr(config, "layer_types", None) or ()) if t in cached)
             if not kv_layers:  # a state-space model: no attention at all
                 return cls(num_layers=config.num_hidden_layers, kv_heads=1, head_dim=1, dtype=dtype, kv_layers=())
         heads = config.num_attention_heads

@@ -8,7 +8,8 @@ mixers of Mamba, Jamba, Bamba, Granite-4 hybrid, Nemotron-H and Falcon-H1) keep 
 per sequence in their cache, through one interface: ``get_conv_state`` / ``update_conv_state`` /
 ``get_recurrent_state`` / ``update_recurrent_state`` / ``is_recording_past``, the semantics of
 ``transformers.cache_utils.LinearAttentionLayer``. (RecurrentGemma's recurrent blocks keep theirs in
-attributes of their own: :class:`_StateInAttributes` gives them the same interface.) Their code
+attributes of their own, xLSTM's layers take theirs as an argument: :mod:`server.engine.state_adapters`
+gives them the same interface.) Their code
 assumes a batch of sequences of equal length; the engine packs sequences of every length into one
 row. So:
 
@@ -48,13 +49,15 @@ import math
 import torch
 from torch import nn
 
+from server.engine import state_adapters
+
 MAX_STATES = 4
 """State indices a layer may use (``state_idx``): transformers' hybrids use 0 (and 1 for a second
 convolution in some)."""
 SERVED_STATEFUL_MODEL_TYPES = frozenset({
     "lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1",
     "mamba", "falcon_mamba", "jamba", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid", "lara_mini",
-    "minimax", "zamba", "zamba2", "recurrent_gemma",
+    "minimax", "zamba", "zamba2", "recurrent_gemma", "zaya", "xlstm",
 })
 """Stateful families the engine serves (each tested against transformers' generate)."""
 OWN_CACHE_MODEL_TYPES = frozenset({"minimax"})
@@ -70,8 +73,9 @@ def uses_cache(config) -> bool:
 
 STATEFUL_LAYER_TYPES = frozenset({"conv", "linear_attention", "mamba"})
 """``layer_types`` entries of layers whose state :class:`StatePool` keeps."""
-HYBRID_LAYER_TYPES = frozenset({"hybrid"})
-"""Layers with attention and a stateful mixer side by side (Falcon-H1): cached keys and values, and a state."""
+HYBRID_LAYER_TYPES = frozenset({"hybrid", "hybrid_sliding"})
+"""Layers with attention and a stateful mixer side by side (Falcon-H1; ZAYA, whose attention's projection
+convolves and delays): cached keys and values, and a state."""
 MIXERLESS_LAYER_TYPES = frozenset({"mlp", "moe"})
 """Layers that mix nothing across tokens (Nemotron-H's feed-forward layers): neither cache nor state."""
 
@@ -95,7 +99,7 @@ def state_shapes(model: nn.Module) -> StateShapes:
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    _adapt_attribute_state(skeleton)
+    state_adapters.adapt(skeleton)
     shapes: StateShapes = {}
     for module in skeleton.modules():
         layer = getattr(module, "layer_idx", None)
@@ -116,7 +120,9 @@ def bytes_per_sequence(shapes: StateShapes) -> int:
 
 def _cache_argument(module: nn.Module) -> str:
     names = inspect.signature(module.forward).parameters
-    name = next((n for n in ("cache", "cache_params", "past_key_values", "past_key_value") if n in names), None)
+    # ("state": xLSTM's and RWKV's adapted layers, server.engine.state_adapters)
+    name = next((n for n in ("cache", "cache_params", "past_key_values", "past_key_value", "state") if n in names),
+                None)
     if name is None:
         raise RuntimeError(f"{type(module).__name__}'s forward takes no cache argument")
     return name
@@ -326,77 +332,31 @@ def _scans_from_zero(cls: type) -> bool:
     """Whether the module's prompt path cannot start from a state: Mamba-1's selective scan
     (``mamba_selective_scan``: Mamba, Falcon-Mamba, Jamba) takes no initial state, and
     RecurrentGemma's prompt path starts its convolution from zeros, since transformers' generate
-    never continues a prompt. A later chunk of such a module's prompt then goes through its
-    one-token recurrent form, a token at a time."""
-    return "mamba_selective_scan(" in _forward_source(cls) or getattr(cls, "_prompt_starts_from_zero", False)
+    never continues a prompt (``server.engine.state_adapters``). A later chunk of such a module's
+    prompt then goes through its one-token recurrent form, a token at a time."""
+    return "mamba_selective_scan(" in _forward_source(cls) or getattr(cls, "prompt_starts_from_zero", False)
 
 
-class _StateInAttributes:
-    """RecurrentGemma's recurrent block (Griffin's: a short convolution, then the RG-LRU) keeps its
-    convolution window and recurrent state in attributes (``conv1d_state``, ``rg_lru.recurrent_states``)
-    that its model sets up for one batch (``_setup_cache``), not in a cache. Mixed into its class by
-    :func:`_adapt_attribute_state`, the block takes them from the cache interface the other stateful
-    modules use (``get_conv_state`` / ``update_conv_state``, ...), runs its own forward with them in
-    place, and gives them back: its state is then kept per sequence like theirs.
-
-    The block reads its positions only to tell a prompt's first token (``position_ids == 0`` resets
-    the recurrence) and a one-token call (its recurrent form) from a prompt (its convolution over the
-    chunk from zeros): the adapter gives it ``0, 1, ...`` for a part that starts its state and
-    ``1, 2, ...`` for one that continues it, whatever the row's positions. A continued prompt chunk
-    goes a token at a time (``_prompt_starts_from_zero``)."""
-
-    _prompt_starts_from_zero = True
-
-    def forward(self, input_states, position_ids=None, attention_mask=None, use_cache=True, cache=None, **kwargs):
-        if cache is None or not hasattr(cache, "get_conv_state"):
-            return super().forward(input_states, position_ids, attention_mask, use_cache=use_cache, **kwargs)
-        batch, length = input_states.shape[:2]
-        # (a compiled layer's cache names no layer: the layers' graph must not read this one's index)
-        layer = cache.layer_idx if isinstance(cache, _SegmentCache) else self.layer_idx
-        conv = cache.get_conv_state(layer)
-        self.conv1d_state, self.rg_lru.recurrent_states = conv, cache.get_recurrent_state(layer)
-        positions = torch.arange(int(conv is not None), length + int(conv is not None), device=input_states.device)
-        try:
-            out = super().forward(input_states, positions.expand(batch, length), attention_mask, use_cache=True,
-                                  **kwargs)
-            # (a continued state takes the new columns after its own, as LinearAttentionLayer's update does)
-            cache.update_conv_state(self.conv1d_state if conv is None else self.conv1d_state[..., -length:], layer)
-            cache.update_recurrent_state(self.rg_lru.recurrent_states, layer)
-        finally:
-            self.conv1d_state = self.rg_lru.recurrent_states = None
-        return out
-
-
-ATTRIBUTE_STATE_CLASSES = frozenset({"RecurrentGemmaRecurrentBlock"})
-"""Stateful modules that keep their state in attributes (:class:`_StateInAttributes`)."""
-_ATTRIBUTE_ADAPTED: dict[type, type] = {}
-
-
-def _adapt_attribute_state(model: nn.Module) -> None:
-    """Mix :class:`_StateInAttributes` into each module of ``model`` named in
-    :data:`ATTRIBUTE_STATE_CLASSES`, its ``layer_idx`` the index of the decoder layer holding it."""
-    for name, module in model.named_modules():
-        cls = type(module)
-        if cls.__name__ not in ATTRIBUTE_STATE_CLASSES or cls in _ATTRIBUTE_ADAPTED.values():
-            continue
-        parts = name.split(".")
-        module.layer_idx = next(int(p) for p in reversed(parts) if p.isdigit())
-        if cls not in _ATTRIBUTE_ADAPTED:
-            _ATTRIBUTE_ADAPTED[cls] = type(f"Cached{cls.__name__}", (_StateInAttributes, cls), {"__module__": __name__})
-            globals()[_ATTRIBUTE_ADAPTED[cls].__name__] = _ATTRIBUTE_ADAPTED[cls]
-        module.__class__ = _ATTRIBUTE_ADAPTED[cls]
+PER_TOKEN_TUPLE_CLASSES = frozenset({"ZayaCCAProjection"})
+"""Stateful modules whose forward returns several tensors a token (ZAYA's CCA projection: its
+queries, keys and values); every other module's tuple is its output and what its layer ignores
+(MiniMax's state)."""
 
 
 class _PerSequenceState:
     """Mixed into a stateful module's class by :func:`install` (the module docstring)."""
 
     _continues_one_token_at_a_time = False  # (:func:`_scans_from_zero`)
+    _per_token_tuple = False  # (:data:`PER_TOKEN_TUPLE_CLASSES`)
 
     def forward(self, hidden_states, *args, **kwargs):
         from server.engine.attention import LayerPools, PagedKVCache
 
-        name = next((k for k, v in kwargs.items() if isinstance(v, (PagedKVCache, LayerPools))), None)
-        cache = kwargs.get(name) if name is not None else None
+        # the cache argument: by keyword, or by position (ZAYA's projection takes it second)
+        where = next((k for k, v in kwargs.items() if isinstance(v, (PagedKVCache, LayerPools))), None)
+        if where is None:
+            where = next((i for i, v in enumerate(args) if isinstance(v, (PagedKVCache, LayerPools))), None)
+        cache = None if where is None else args[where] if isinstance(where, int) else kwargs[where]
         if cache is None or cache.layout is None or cache.states is None:
             return super().forward(hidden_states, *args, **kwargs)
         layout = cache.layout
@@ -410,18 +370,20 @@ class _PerSequenceState:
             # a compiled decode step (server.engine.compiled: steps whose every sequence continues its state,
             # padded, the padding rows' states in the pool's scratch slot): the row as one batch of
             # one-token sequences, in row order, their states gathered and scattered by slot
-            result, tupled = self._segment_forward(hidden_states.transpose(0, 1), _SegmentCache(
-                states, layer, layout.state_slots_S, True), name, args, kwargs)
-            return (result.transpose(0, 1), None) if tupled else result.transpose(0, 1)
-        out, tupled = None, False
+            results, tupled = self._segment_forward(hidden_states.transpose(0, 1), _SegmentCache(
+                states, layer, layout.state_slots_S, True), where, args, kwargs)
+            return self._returned([r.transpose(0, 1) for r in results], tupled)
+        out: list[torch.Tensor] = []
+        tupled = False
 
         def run(rows: torch.Tensor, segment: torch.Tensor, slots: torch.Tensor, previous: bool):
-            nonlocal out, tupled
-            result, tupled = self._segment_forward(segment, _SegmentCache(states, layer, slots, previous), name,
-                                                   args, kwargs)
-            if out is None:
-                out = result.new_empty((1, hidden_states.shape[1], *result.shape[2:]))
-            out[0, rows] = result.reshape(len(rows), *result.shape[2:])
+            nonlocal tupled
+            results, tupled = self._segment_forward(segment, _SegmentCache(states, layer, slots, previous), where,
+                                                    args, kwargs)
+            if not out:
+                out.extend(r.new_empty((1, hidden_states.shape[1], *r.shape[2:])) for r in results)
+            for o, r in zip(out, results):
+                o[0, rows] = r.reshape(len(rows), *r.shape[2:])
 
         decode = layout.decode
         if decode is not None:
@@ -440,17 +402,29 @@ class _PerSequenceState:
                 continue
             rows = torch.arange(chunk.row, chunk.row + chunk.count, device=hidden_states.device)
             run(rows, hidden_states[:, chunk.row:chunk.row + chunk.count], slot, previous)
-        if out is None:  # a row of padding only (nothing of a sequence to compute)
+        if not out:  # a row of padding only (nothing of a sequence to compute)
             return super().forward(hidden_states, *args, **kwargs)
-        return (out, None) if tupled else out
+        return self._returned(out, tupled)
 
-    def _segment_forward(self, segment: torch.Tensor, cache: _SegmentCache, name: str, args, kwargs):
-        """The module's own forward of ``segment`` with ``cache`` as its cache argument ``name``, its
-        states stored after: (its output, whether the output came as a tuple: MiniMax's returns its
-        state beside it, and its layer reads the output only)."""
-        result = super().forward(segment, *args, **{**kwargs, name: cache})
+    def _returned(self, outputs: list[torch.Tensor], tupled: bool):
+        """What the module's own forward returns, of the row's ``outputs`` (:meth:`_segment_forward`)."""
+        if not tupled:
+            return outputs[0]
+        return tuple(outputs) if self._per_token_tuple else (outputs[0], None)
+
+    def _segment_forward(self, segment: torch.Tensor, cache: _SegmentCache, where: str | int, args, kwargs):
+        """The module's own forward of ``segment`` with ``cache`` as its cache argument ``where`` (a
+        keyword, or a position among ``args``), its states stored after: (its per-token outputs, whether
+        they came as a tuple: MiniMax's returns its state beside its output, which its layer ignores;
+        ZAYA's projection its queries, keys and values)."""
+        if isinstance(where, int):
+            result = super().forward(segment, *args[:where], cache, *args[where + 1:], **kwargs)
+        else:
+            result = super().forward(segment, *args, **{**kwargs, where: cache})
         cache.store()
-        return (result[0], True) if isinstance(result, tuple) else (result, False)
+        if not isinstance(result, tuple):
+            return [result], False
+        return (list(result) if self._per_token_tuple else [result[0]]), True
 
 
 _CLASSES: dict[type, type] = {}
@@ -465,7 +439,7 @@ def install(model: nn.Module) -> int:
     """Give every stateful module of ``model`` (one with a ``layer_idx`` whose forward reads a conv or
     recurrent state from its cache) the per-sequence forward; returns how many it has (those an
     earlier call gave it included)."""
-    _adapt_attribute_state(model)
+    state_adapters.adapt(model)
     count = 0
     for module in model.modules():
         cls = type(module)
@@ -477,7 +451,8 @@ def install(model: nn.Module) -> int:
         if cls not in _CLASSES:
             name = f"PerSequence{cls.__name__}"
             _CLASSES[cls] = type(name, (_PerSequenceState, cls), {
-                "__module__": __name__, "_continues_one_token_at_a_time": _scans_from_zero(cls)})
+                "__module__": __name__, "_continues_one_token_at_a_time": _scans_from_zero(cls),
+                "_per_token_tuple": cls.__name__ in PER_TOKEN_TUPLE_CLASSES})
             globals()[name] = _CLASSES[cls]
         module.__class__ = _CLASSES[cls]
         count += 1

@@ -1,0 +1,154 @@
+"""Stateful families whose state code is their own, given the cache interface of ``server.engine.state``.
+
+transformers' hybrids read and write their states through their cache (``get_conv_state`` /
+``update_conv_state`` / ``get_recurrent_state`` / ``update_recurrent_state``), which
+``server.engine.state`` answers from a slot per sequence. Two families keep them otherwise; a thin
+adapter per family gives their modules that interface, around their own forward:
+
+* **RecurrentGemma** (Griffin): each recurrent block keeps its convolution window and RG-LRU state
+  in attributes (``conv1d_state``, ``rg_lru.recurrent_states``) that its model sets up for one batch.
+  :class:`_StateInAttributes` puts a part's states there from its cache before the block's own
+  forward and takes them back after. The block reads its positions only to tell a prompt's first
+  token (``position_ids == 0`` resets the recurrence) and a one-token call (its recurrent form) from
+  a prompt (its convolution over the chunk, from zeros): the adapter gives it ``0, 1, ...`` for a
+  part that starts its state and ``1, 2, ...`` for one that continues it, whatever the row's
+  positions. Its prompt path cannot continue a state, so a later chunk of a prompt goes a token at
+  a time (``prompt_starts_from_zero``, read by ``state._scans_from_zero``).
+* **xLSTM** (xLSTM-7B): each mLSTM layer takes its state (each head's cell ``C``, normaliser ``n``
+  and stabiliser ``m``) as an argument and returns the new one, and its model's loop reads them
+  from its own cache class (``xLSTMCache.rnn_state``) and copies them back.
+  :class:`_StateAsArgument` passes the layer its part's states from the cache (recurrent states
+  0, 1, 2; none for a part that starts them, as the model's first forward passes zeros) and writes
+  the new ones back. :class:`_PagedXLSTM` is the causal LM's forward when the engine's cache comes
+  with a step's layout: the model's own modules in its own order (embeddings, each block with the
+  cache as its state, the output norm, the head over the rows ``logits_to_keep`` names, the logits'
+  soft cap), which is its loop without ``xLSTMCache``; otherwise (a plain call) its own forward.
+
+Contract: :func:`adapt` mixes these into ``model``'s modules (also a model FSDP2 has wrapped: the
+adapter subclasses the module's own class) and gives each adapted stateful module its
+``layer_idx`` (the index in the name of the layer holding it); ``server.engine.state.install`` and
+``state.state_shapes`` (on the probe's skeleton) call it. Idempotent.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+
+class _StateInAttributes:
+    """RecurrentGemma's recurrent block, its state through the cache interface (module docstring)."""
+
+    prompt_starts_from_zero = True
+
+    def forward(self, input_states, position_ids=None, attention_mask=None, use_cache=True, cache=None, **kwargs):
+        if cache is None or not hasattr(cache, "get_conv_state"):
+            return super().forward(input_states, position_ids, attention_mask, use_cache=use_cache, **kwargs)
+        batch, length = input_states.shape[:2]
+        layer = _layer_of(self, cache)
+        conv = cache.get_conv_state(layer)
+        self.conv1d_state, self.rg_lru.recurrent_states = conv, cache.get_recurrent_state(layer)
+        positions = torch.arange(int(conv is not None), length + int(conv is not None), device=input_states.device)
+        try:
+            out = super().forward(input_states, positions.expand(batch, length), attention_mask, use_cache=True,
+                                  **kwargs)
+            # (a continued state takes the new columns after its own, as LinearAttentionLayer's update does)
+            cache.update_conv_state(self.conv1d_state if conv is None else self.conv1d_state[..., -length:], layer)
+            cache.update_recurrent_state(self.rg_lru.recurrent_states, layer)
+        finally:
+            self.conv1d_state = self.rg_lru.recurrent_states = None
+        return out
+
+
+class _StateAsArgument:
+    """xLSTM's mLSTM layer, its state (C, n, m) through the cache interface (module docstring)."""
+
+    def forward(self, x, state=None):
+        if state is None or not hasattr(state, "get_recurrent_state"):
+            return super().forward(x, state)
+        cache, layer = state, _layer_of(self, state)
+        previous = [cache.get_recurrent_state(layer, i) for i in range(3)]
+        y, new = super().forward(x, None if previous[0] is None else tuple(previous))
+        for i, value in enumerate(new):
+            cache.update_recurrent_state(value, layer, state_idx=i)
+        return y, None
+
+
+class _PagedXLSTM:
+    """xLSTM's causal LM over the engine's cache (module docstring)."""
+
+    def forward(self, input_ids=None, inputs_embeds=None, cache=None, labels=None, use_cache=None, **kwargs):
+        from transformers.modeling_utils import slice_logits_to_keep
+
+        from server.engine.attention import PagedKVCache
+
+        if not isinstance(cache, PagedKVCache) or cache.layout is None or labels is not None:
+            return super().forward(input_ids=input_ids, inputs_embeds=inputs_embeds, cache=cache, labels=labels,
+                                   use_cache=use_cache, **kwargs)
+        backbone = self.backbone
+        hidden = backbone.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        for block in backbone.blocks:
+            hidden, _ = block(hidden, cache)
+        hidden = slice_logits_to_keep(backbone.out_norm(hidden), kwargs.get("logits_to_keep", 0))
+        xlstm = sys.modules[_original(type(self)).__module__]
+        return _XLSTMLogits(xlstm.soft_cap(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(),
+                                          self.config.output_logit_soft_cap))
+
+
+class _XLSTMLogits:
+    """The part of the causal LM's output the engine reads."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+
+ADAPTERS: dict[str, tuple[type, bool]] = {
+    "RecurrentGemmaRecurrentBlock": (_StateInAttributes, True),
+    "xLSTMLayer": (_StateAsArgument, True),
+    "xLSTMForCausalLM": (_PagedXLSTM, False),
+}
+"""transformers' class name -> (its adapter, whether it is a stateful module: it gets a ``layer_idx``)."""
+ADAPTED_STATE_MODEL_TYPES = frozenset({"recurrent_gemma", "xlstm"})
+"""The families :func:`adapt` adapts (each tested with ``server.engine.state``)."""
+_ADAPTED: dict[type, type] = {}
+
+
+def _layer_of(module: nn.Module, cache) -> int | None:
+    """The layer index to ask ``cache`` for: a compiled layer's cache names none (its graph must not
+    read the module's index, or each layer would get a graph of its own); the probe's ignores it."""
+    return cache.layer_idx if hasattr(cache, "layer_idx") else module.layer_idx
+
+
+def _original(cls: type) -> type:
+    """The transformers class an adapted class adapts."""
+    return next(c for c in cls.__mro__ if c.__name__ in ADAPTERS)
+
+
+def _transformers_class(cls: type) -> str | None:
+    """The name in :data:`ADAPTERS` of ``cls`` or of the class it wraps (FSDP2's ``FSDPxLSTMForCausalLM``)."""
+    return next((c.__name__ for c in cls.__mro__ if c.__name__ in ADAPTERS), None)
+
+
+def adapt(model: nn.Module) -> int:
+    """Mix the adapter of :data:`ADAPTERS` into each module of ``model`` of an adapted class; returns
+    how many modules carry one."""
+    count = 0
+    for name, module in model.named_modules():
+        cls = type(module)
+        if any(c in _ADAPTED.values() for c in cls.__mro__):  # (also once state.install has wrapped it)
+            count += 1
+            continue
+        original = _transformers_class(cls)
+        if original is None:
+            continue
+        adapter, stateful = ADAPTERS[original]
+        if stateful:
+            module.layer_idx = next(int(p) for p in reversed(name.split(".")) if p.isdigit())
+        if cls not in _ADAPTED:
+            _ADAPTED[cls] = type(f"Engine{cls.__name__}", (adapter, cls), {"__module__": __name__})
+            globals()[_ADAPTED[cls].__name__] = _ADAPTED[cls]
+        module.__class__ = _ADAPTED[cls]
+        count += 1
+    return count
