@@ -108,6 +108,9 @@ def _config(family: str, vocab: int = 300):
                                          state_size=16, n_groups=1, expand=2, conv_kernel=4, chunk_size=16,
                                          bos_token_id=0, eos_token_id=0, pad_token_id=0),
         # more hybrids through the same per-sequence state (server.engine.state)
+        # LFM3: short convolutions beside full and sliding-window attention
+        "lfm3": lambda: T.Lfm3Config(**{**common, "num_hidden_layers": 4}, head_dim=16, sliding_window=WINDOW,
+                                     layer_types=["conv", "full_attention", "conv", "sliding_attention"]),
         "lfm2_moe": lambda: T.Lfm2MoeConfig(**{**common, "num_hidden_layers": 4},
                                             layer_types=["conv", "full_attention", "conv", "full_attention"],
                                             num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
@@ -190,6 +193,11 @@ def _config(family: str, vocab: int = 300):
         "xlstm": lambda: T.xLSTMConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_heads=4,
                                        qk_dim_factor=1.0, chunk_size=8, bos_token_id=0, eos_token_id=0,
                                        pad_token_id=0),
+        # RWKV-4: time mixing (a recurrence of numerator, denominator and running maximum a channel) and channel
+        # mixing, each with the previous token's input: five states a layer, passed through the model as a list;
+        # its eval mode's rescaling every 2 layers (the weights divided, the hidden state halved)
+        "rwkv": lambda: T.RwkvConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=4, rescale_every=2,
+                                     bos_token_id=0, eos_token_id=0),
         # (transformers builds it from two hybrid layers up, so 12 layers)
         "zamba": lambda: T.ZambaConfig(**{**common, "num_hidden_layers": 12, "num_key_value_heads": 4}),
         "falcon_40b": lambda: T.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
@@ -198,7 +206,6 @@ def _config(family: str, vocab: int = 300):
     }
     refused = {
         "qwen4_exp": lambda: T.Qwen4ExpTextConfig(**{**common, "num_hidden_layers": 4}),
-        "rwkv": lambda: T.RwkvConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2),
         "t5": lambda: T.T5Config(vocab_size=vocab, d_model=64),
         "gemma3_dynamic_rope_per_layer_type": lambda: T.Gemma3TextConfig(**common, head_dim=16, rope_parameters={
             "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
@@ -207,9 +214,9 @@ def _config(family: str, vocab: int = 300):
     return (served.get(family) or refused[family])()
 
 
-STATEFUL = ["lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h",
+STATEFUL = ["lfm2", "lfm2_moe", "lfm3", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h",
             "falcon_h1", "mamba", "falcon_mamba", "jamba", "qwen3_5", "qwen3_5_moe", "kimi_linear", "bailing_hybrid",
-            "lara_mini", "minimax", "zamba", "zamba2", "recurrent_gemma", "zaya", "xlstm"]
+            "lara_mini", "minimax", "zamba", "zamba2", "recurrent_gemma", "zaya", "xlstm", "rwkv"]
 """The hybrid and state-space families (server.engine.state)."""
 SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "olmo2", "granite",
           "cohere", "gpt_neox", "gpt2", "gpt_oss", "qwen3_moe", "mixtral", "llama_dynamic_rope", "phi3_longrope",
@@ -224,7 +231,6 @@ beside ``model.visual.*``), and whose reference is that model's ``generate`` (th
 image-text too: ``loaders.skeleton.builds_image_text``)."""
 REFUSED = {
     "qwen4_exp": "indexed_attention",
-    "rwkv": "recurrent or convolution state",
     "t5": "encoder-decoder",
     "gemma3_dynamic_rope_per_layer_type": "rope_type 'dynamic' for one layer type of several",
 }
@@ -588,7 +594,12 @@ PROMPTS = ["Once upon a time there was a server that never hung, and it served e
            "The quick brown fox jumps over the lazy dog while the ranks gather their shards"]
 NEW_TOKENS = 10
 THROUGH_THE_SERVER = ["llama", "gemma2", "qwen3_moe", "deepseek_v3", "bloom", "falcon_rw", "lfm2", "qwen3_next", "jamba",
-                      "xlstm"]
+                      "xlstm", "rwkv"]
+NO_KEYS_OR_VALUES = {
+    "xlstm": 2 * 4 * (16 * 16 + 16 + 1) * 4,  # 2 layers x 4 heads x (a 16 x 16 memory, a normaliser, a stabiliser)
+    "rwkv": 4 * 5 * 64 * 4,  # 4 layers x 5 states of 64 (two previous inputs, numerator, denominator, maximum)
+}
+"""Families of the server test whose layers keep no keys or values: their state bytes a sequence (float32)."""
 """The families also served through HTTP: plain attention; soft-capping with alternating windows;
 experts; multi-head latent attention (its latents cached: /info says what a token costs); ALiBi
 through an adapter (server.engine.adapters), Bloom's and Falcon-RW's bf16-rounded bias; a hybrid's per-sequence state (server.engine.state:
@@ -694,9 +705,9 @@ def test_server_on_two_ranks_matches_generate(family, tmp_path):
     elif family == "lfm2":  # its 2 attention layers of 4 cache keys and values; the conv layers keep a state
         assert info["kv_cache"]["layers"] == 2 and info["kv_cache"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
         assert info["kv_cache"]["state_bytes_per_sequence"] == 2 * 64 * 3 * 4  # 2 conv layers x [64, 3 taps]
-    elif family == "xlstm":  # no keys or values; each layer a 16 x 16 memory, a normaliser of 16 and a stabiliser a head
+    elif family in NO_KEYS_OR_VALUES:
         assert info["kv_cache"]["layers"] == 0
-        assert info["kv_cache"]["state_bytes_per_sequence"] == 2 * 4 * (16 * 16 + 16 + 1) * 4
+        assert info["kv_cache"]["state_bytes_per_sequence"] == NO_KEYS_OR_VALUES[family]
     else:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # Bloom: all heads
@@ -758,13 +769,13 @@ def test_moe_checkpoint_in_hub_layout_loads_with_a_share_of_the_bytes(family, tm
 
 def test_refused_before_anything_is_read(tmp_path):
     """A hybrid checkpoint still refused (its config alone: there are no weights to read) fails in one line."""
-    path = tmp_path / "rwkv"
-    _config("rwkv").save_pretrained(path)
+    path = tmp_path / "qwen4_exp"
+    _config("qwen4_exp").save_pretrained(path)
     proc = subprocess.run([sys.executable, "-m", "server", "--model", str(path), "--device", "cpu"], cwd=REPO,
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hsdp-serve: ")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
-    assert errors[0].startswith("hsdp-serve: RwkvForCausalLM is not served: its layers carry recurrent")
+    assert errors[0].startswith("hsdp-serve: Qwen4ExpForCausalLM is not served: layer types ['indexed_attention'")
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])

@@ -49,15 +49,15 @@ import math
 import torch
 from torch import nn
 
-from server.engine import state_adapters
+from server.engine.state_adapters import adapt as adapt_own_state
 
-MAX_STATES = 4
+MAX_STATES = 5
 """State indices a layer may use (``state_idx``): transformers' hybrids use 0 (and 1 for a second
-convolution in some)."""
+convolution in some); xLSTM's layers 0-2 and RWKV's blocks 0-4 (``server.engine.state_adapters``)."""
 SERVED_STATEFUL_MODEL_TYPES = frozenset({
-    "lfm2", "lfm2_moe", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1",
+    "lfm2", "lfm2_moe", "lfm3", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1",
     "mamba", "falcon_mamba", "jamba", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid", "lara_mini",
-    "minimax", "zamba", "zamba2", "recurrent_gemma", "zaya", "xlstm",
+    "minimax", "zamba", "zamba2", "recurrent_gemma", "zaya", "xlstm", "rwkv",
 })
 """Stateful families the engine serves (each tested against transformers' generate)."""
 OWN_CACHE_MODEL_TYPES = frozenset({"minimax"})
@@ -99,7 +99,7 @@ def state_shapes(model: nn.Module) -> StateShapes:
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state_adapters.adapt(skeleton)
+    adapt_own_state(skeleton)
     shapes: StateShapes = {}
     for module in skeleton.modules():
         layer = getattr(module, "layer_idx", None)
@@ -439,7 +439,7 @@ def install(model: nn.Module) -> int:
     """Give every stateful module of ``model`` (one with a ``layer_idx`` whose forward reads a conv or
     recurrent state from its cache) the per-sequence forward; returns how many it has (those an
     earlier call gave it included)."""
-    state_adapters.adapt(model)
+    adapt_own_state(model)
     count = 0
     for module in model.modules():
         cls = type(module)

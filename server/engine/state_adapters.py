@@ -93,24 +93,118 @@ class _PagedXLSTM:
             hidden, _ = block(hidden, cache)
         hidden = slice_logits_to_keep(backbone.out_norm(hidden), kwargs.get("logits_to_keep", 0))
         xlstm = sys.modules[_original(type(self)).__module__]
-        return _XLSTMLogits(xlstm.soft_cap(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(),
-                                          self.config.output_logit_soft_cap))
+        return _Logits(xlstm.soft_cap(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(),
+                                     self.config.output_logit_soft_cap))
 
 
-class _XLSTMLogits:
-    """The part of the causal LM's output the engine reads."""
+class _Logits:
+    """The part of a causal LM's output the engine reads."""
 
     def __init__(self, logits: torch.Tensor):
         self.logits = logits
+
+
+class _Column:
+    """One layer's column of an RWKV state (``[batch, hidden, layers]`` in its model): what its
+    modules index as ``state[i][:, :, layer_id]``, read and assigned whole (``value``: ``[batch, width]``).
+
+    A previous token's input (states 0 and 1) reads as ``[batch, 1, hidden]``: the modules' one-token
+    path mixes it with a ``[batch, 1, hidden]`` input, which a ``[batch, hidden]`` state would
+    broadcast to ``[batch, batch, hidden]`` (transformers' RWKV decodes one sequence at a time); their
+    prompt path assigns it to the first token's row, which takes either."""
+
+    def __init__(self, value: torch.Tensor, token: bool):
+        self.value, self.token = value, token
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.value.unsqueeze(1) if self.token else self.value
+
+    def __setitem__(self, index, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class _RwkvBlockState:
+    """RWKV's block, its five states through the cache interface, its rescaling on its outputs
+    (module docstring)."""
+
+    @staticmethod
+    def prepare(block: nn.Module) -> None:
+        # the factor its model divides the block's two output weights by in eval mode (a float each block:
+        # the layers' graphs guard on it, so the blocks of one factor share a graph, not on the block's index)
+        every = block.config.rescale_every
+        block.hsdp_output_scale = 2.0 ** -(block.layer_id // every) if every > 0 else 1.0
+
+    def forward(self, hidden, state=None, use_cache=False, output_attentions=False):
+        cached = state is not None and hasattr(state, "get_recurrent_state")
+        if cached:
+            cache, layer = state, _layer_of(self, state)
+            previous = [cache.get_recurrent_state(layer, i) for i in range(5)]
+            if previous[0] is None:  # a sequence's first part: the states its model starts from
+                batch, width = hidden.shape[0], self.attention.attention_hidden_size
+                previous = [hidden.new_zeros(batch, hidden.shape[-1]), hidden.new_zeros(batch, hidden.shape[-1]),
+                            *(hidden.new_zeros(batch, width, dtype=torch.float32) for _ in range(3))]
+                previous[4] -= 1e30
+            state = [_Column(s, token=i < 2) for i, s in enumerate(previous)]
+        # In eval mode its model divides the attention's and the feed-forward's output weights by 2 ** (block //
+        # rescale_every), in place, and halves the hidden state every rescale_every blocks. The weights here stay
+        # as loaded (FSDP's), and the outputs are divided instead: a power of two, the same floats.
+        scale = 1.0 if self.training else self.hsdp_output_scale
+        if getattr(self, "pre_ln", None) is not None:  # (the first block's)
+            hidden = self.pre_ln(hidden)
+        attention, state = self.attention(self.ln1(hidden), state=state, use_cache=use_cache or cached)
+        hidden = hidden + attention * scale
+        feed_forward, state = self.feed_forward(self.ln2(hidden), state=state)
+        hidden = hidden + feed_forward * scale
+        if cached:
+            for i, column in enumerate(state):
+                cache.update_recurrent_state(column.value, layer, state_idx=i)
+            state = cache
+        return hidden, state, (attention if output_attentions else None)
+
+
+class _RwkvWeightsAsLoaded:
+    """RWKV's model: its eval mode's rescaling never applied to the weights in place (its blocks
+    divide their outputs instead: :class:`_RwkvBlockState`); its loop halves the hidden state as
+    its own does."""
+
+    def _rescale_layers(self) -> None:
+        self.layers_are_rescaled = not self.training
+
+
+class _PagedRwkv:
+    """RWKV's causal LM over the engine's cache (module docstring)."""
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, state=None, labels=None,
+                use_cache=None, **kwargs):
+        from transformers.modeling_utils import slice_logits_to_keep
+
+        from server.engine.attention import PagedKVCache
+
+        cache = kwargs.pop("cache", None)
+        if not isinstance(cache, PagedKVCache) or cache.layout is None or labels is not None:
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                                   state=state, labels=labels, use_cache=use_cache, **kwargs)
+        rwkv, every = self.rwkv, self.config.rescale_every
+        rwkv._rescale_layers()
+        hidden = rwkv.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        for index, block in enumerate(rwkv.blocks):
+            hidden = block(hidden, state=cache)[0]
+            if rwkv.layers_are_rescaled and every > 0 and (index + 1) % every == 0:
+                hidden = hidden / 2
+        hidden = slice_logits_to_keep(rwkv.ln_out(hidden), kwargs.get("logits_to_keep", 0))
+        return _Logits(self.head(hidden))
 
 
 ADAPTERS: dict[str, tuple[type, bool]] = {
     "RecurrentGemmaRecurrentBlock": (_StateInAttributes, True),
     "xLSTMLayer": (_StateAsArgument, True),
     "xLSTMForCausalLM": (_PagedXLSTM, False),
+    "RwkvBlock": (_RwkvBlockState, True),
+    "RwkvModel": (_RwkvWeightsAsLoaded, False),
+    "RwkvForCausalLM": (_PagedRwkv, False),
 }
 """transformers' class name -> (its adapter, whether it is a stateful module: it gets a ``layer_idx``)."""
-ADAPTED_STATE_MODEL_TYPES = frozenset({"recurrent_gemma", "xlstm"})
+ADAPTED_STATE_MODEL_TYPES = frozenset({"recurrent_gemma", "xlstm", "rwkv"})
 """The families :func:`adapt` adapts (each tested with ``server.engine.state``)."""
 _ADAPTED: dict[type, type] = {}
 
@@ -150,5 +244,7 @@ def adapt(model: nn.Module) -> int:
             _ADAPTED[cls] = type(f"Engine{cls.__name__}", (adapter, cls), {"__module__": __name__})
             globals()[_ADAPTED[cls].__name__] = _ADAPTED[cls]
         module.__class__ = _ADAPTED[cls]
+        if hasattr(adapter, "prepare"):
+            adapter.prepare(module)
         count += 1
     return count
