@@ -31,9 +31,9 @@ import re
 import pytest
 
 from tests.server_process import ServerProcess
-from tests.vision_checkpoints import assert_same_answer, at_once, image_parts, make_image, reference_answer, \
-    served_answer, template_messages, vision_server, write_idefics3_checkpoint, write_internvl_checkpoint, \
-    write_llava_next_checkpoint, write_llava_onevision_checkpoint
+from tests.vision_checkpoints import ENCODED_ALONE, assert_same_answer, at_once, image_parts, make_image, \
+    reference_answer, served_answer, template_messages, vision_server, write_idefics3_checkpoint, \
+    write_internvl_checkpoint, write_llava_next_checkpoint, write_llava_onevision_checkpoint
 
 TOKENS = 8
 WIDE, TALL, SQUARE = (60, 30), (30, 60), (50, 50)
@@ -102,7 +102,7 @@ def test_images_of_different_tile_counts_encode_together_as_alone(tmp_path):
     encoder = ImageEncoder(model, torch.device("cpu"))
     together = encoder.encode(inputs)
     for image, rows in zip(inputs, together):
-        torch.testing.assert_close(rows, encoder.encode([image])[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rows, encoder.encode([image])[0], **ENCODED_ALONE)
 
 
 def test_an_images_key_is_its_own_whatever_its_companions(tmp_path):
@@ -149,7 +149,7 @@ def test_tiled_images_with_masks_encode_together_as_alone(tmp_path):
     encoder = ImageEncoder(model, torch.device("cpu"))
     together = encoder.encode(inputs)
     for image, rows in zip(inputs, together):
-        torch.testing.assert_close(rows, encoder.encode([image])[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rows, encoder.encode([image])[0], **ENCODED_ALONE)
 
 
 @pytest.mark.slow
@@ -220,7 +220,7 @@ def test_onevision_images_encode_together_as_alone_and_keep_their_keys(tmp_path)
     for call in ([among[1], alone_wide, alone_tall], [alone_tall, *among], among[::-1]):
         for image, rows in zip(call, encoder.encode(call)):
             want = alone[id(image)] if id(image) in alone else pair[among.index(image)]
-            torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(rows, want, **ENCODED_ALONE)
 
 
 # -- InternVL: an image as its tiles and thumbnail, every image's tiles in one flat batch ------------
@@ -260,4 +260,4 @@ def test_internvl_images_encode_together_as_alone(tmp_path):
     encoder = ImageEncoder(model, torch.device("cpu"))
     together = encoder.encode([pair[1], alone, pair[0]])
     for image, rows in zip([pair[1], alone, pair[0]], together):
-        torch.testing.assert_close(rows, encoder.encode([image])[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rows, encoder.encode([image])[0], **ENCODED_ALONE)
