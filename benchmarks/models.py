@@ -70,6 +70,25 @@ def deep_tiny_qwen3_5_checkpoint(out_dir: str | None = None) -> str:
                        linear_value_head_dim=32)
 
 
+def deep_tiny_xlstm_checkpoint(out_dir: str | None = None) -> str:
+    """:func:`deep_tiny_checkpoint`'s shape as an xLSTM: 24 mLSTM layers (a matrix memory a head, its
+    state passed as an argument: ``server.engine.state_adapters``), 2 heads, keys half as wide as
+    values as xLSTM-7B's."""
+    from transformers import xLSTMConfig
+
+    return _checkpoint(out_dir or "bench-xlstm-24x64-v1", xLSTMConfig, max_shard_size="2MB", dtype=torch.float32,
+                       hidden_size=64, num_hidden_layers=24, num_heads=2)
+
+
+def deep_tiny_rwkv_checkpoint(out_dir: str | None = None) -> str:
+    """:func:`deep_tiny_checkpoint`'s shape as an RWKV-4: 24 blocks of time and channel mixing (five
+    states a layer: ``server.engine.state_adapters``), its eval mode's rescaling every 6 blocks."""
+    from transformers import RwkvConfig
+
+    return _checkpoint(out_dir or "bench-rwkv-24x64-v1", RwkvConfig, max_shard_size="2MB", dtype=torch.float32,
+                       hidden_size=64, num_hidden_layers=24, intermediate_size=128)
+
+
 def mla_checkpoint(out_dir: str | None = None) -> str:
     """A DeepSeek-V3-shaped model of :data:`PAIR_SHAPE`: latent 128 + rope key 32 cached a token a
     layer (160 values), a low-rank query (384), heads of 64 + 32 and values of 64; dense layers only

@@ -45,7 +45,8 @@ import time
 import torch
 
 from benchmarks.models import (bench_checkpoint, compute_dtype, deep_tiny_bloom_checkpoint, deep_tiny_checkpoint,
-                               deep_tiny_lfm2_checkpoint, deep_tiny_qwen3_5_checkpoint, gqa_checkpoint, mla_checkpoint,
+                               deep_tiny_lfm2_checkpoint, deep_tiny_qwen3_5_checkpoint, deep_tiny_rwkv_checkpoint,
+                               deep_tiny_xlstm_checkpoint, gqa_checkpoint, mla_checkpoint,
                                moe_fp8_checkpoint,
                                moe_w4a16_checkpoint, parameter_count)
 from tests.dist import run_ranks, values
@@ -267,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="checkpoint directory, or deep-tiny (the 24-layer 1M Llama, "
                         "benchmarks.models.deep_tiny_checkpoint), deep-tiny-bloom (its shape as a Bloom: ALiBi "
                         "through the attention adapter), deep-tiny-lfm2 (as an LFM2 hybrid: a state a sequence), deep-tiny-qwen3_5 (as a Qwen3.5 "
-                        "hybrid: gated delta-nets), mla-tiny / gqa-tiny (DeepSeek-V3-shaped latent "
+                        "hybrid: gated delta-nets), deep-tiny-xlstm / deep-tiny-rwkv (as an xLSTM or an RWKV-4: a state a layer, no "
+                        "attention), mla-tiny / gqa-tiny (DeepSeek-V3-shaped latent "
                         "attention and a Llama of its size: the MLA step against GQA's), moe-fp8 (a Qwen3-MoE of "
                         "64 experts, 8 a token, stored in FP8 blocks), moe-w4a16 (the same as compressed-tensors INT4) (default: the 80M bench Llama; each generated once)")
     parser.add_argument("--nproc", type=int, default=2)
@@ -286,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown modes {sorted(unknown)}")
     named = {"deep-tiny": deep_tiny_checkpoint, "deep-tiny-bloom": deep_tiny_bloom_checkpoint,
              "deep-tiny-lfm2": deep_tiny_lfm2_checkpoint, "deep-tiny-qwen3_5": deep_tiny_qwen3_5_checkpoint,
+             "deep-tiny-xlstm": deep_tiny_xlstm_checkpoint, "deep-tiny-rwkv": deep_tiny_rwkv_checkpoint,
              "mla-tiny": mla_checkpoint, "gqa-tiny": gqa_checkpoint,
              "moe-fp8": moe_fp8_checkpoint, "moe-w4a16": moe_w4a16_checkpoint}
     model_dir = named[args.model]() if args.model in named else args.model or bench_checkpoint()

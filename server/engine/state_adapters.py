@@ -2,7 +2,7 @@
 
 transformers' hybrids read and write their states through their cache (``get_conv_state`` /
 ``update_conv_state`` / ``get_recurrent_state`` / ``update_recurrent_state``), which
-``server.engine.state`` answers from a slot per sequence. Two families keep them otherwise; a thin
+``server.engine.state`` answers from a slot per sequence. Three families keep them otherwise; a thin
 adapter per family gives their modules that interface, around their own forward:
 
 * **RecurrentGemma** (Griffin): each recurrent block keeps its convolution window and RG-LRU state
@@ -23,6 +23,18 @@ adapter per family gives their modules that interface, around their own forward:
   with a step's layout: the model's own modules in its own order (embeddings, each block with the
   cache as its state, the output norm, the head over the rows ``logits_to_keep`` names, the logits'
   soft cap), which is its loop without ``xLSTMCache``; otherwise (a plain call) its own forward.
+* **RWKV-4**: its time and channel mixing read and write five states a layer (two previous inputs;
+  the time mixing's numerator, denominator and running maximum) in a list of ``[batch, hidden,
+  layers]`` tensors its model passes down, indexed by the layer. :class:`_RwkvBlockState` runs the
+  block's own modules in its order with each state's column of its layer (:class:`_Column`) loaded
+  from the slots (a part that starts them: the zeros and ``-1e30`` its model starts from) and
+  writes them back; a previous input reads as ``[batch, 1, hidden]``, so that several sequences
+  decode at once (transformers' RWKV decodes one: a ``[batch, hidden]`` state broadcasts against
+  the one-token input). Its eval mode divides two output weights of each block by ``2 **
+  (block // rescale_every)`` in place and halves the hidden state every ``rescale_every`` blocks:
+  the blocks divide their outputs instead (the same floats: a power of two), the model never
+  rescales its weights (:class:`_RwkvWeightsAsLoaded`: FSDP holds them), and :class:`_PagedRwkv`
+  runs the model's loop, halvings included, over the engine's cache.
 
 Contract: :func:`adapt` mixes these into ``model``'s modules (also a model FSDP2 has wrapped: the
 adapter subclasses the module's own class) and gives each adapted stateful module its
