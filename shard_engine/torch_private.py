@@ -41,6 +41,7 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
     "torch.distributed.distributed_c10d": ("_get_default_store",),
     "torch.distributed.fsdp._fully_shard._fsdp_common": ("_from_local_no_grad",),
     "torch.distributed.fsdp._fully_shard._fsdp_collectives": ("AllGather", "DefaultAllGather"),
+    "torch.distributed.fsdp._fully_shard._fully_shard": ("get_cls_to_fsdp_cls",),
     "torch._inductor.compile_fx": ("compile_fx",),
     "torch._inductor.cpu_vec_isa": ("pick_vec_isa",),
     "torch._inductor.output_code": ("CompiledFxGraph",),  # its current_callable: CompiledCall.go_direct
@@ -274,6 +275,37 @@ def set_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
 def set_buffer(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """Put ``tensor`` in ``module``'s existing buffer slot ``name``, its persistence kept."""
     module._buffers[name] = tensor
+
+
+_MIXED: dict[tuple[type, type], type] = {}  # (mixin, class) -> the class mix_into_class made of them
+
+
+def mix_into_class(module: nn.Module, mixin: type, prefix: str, home, attrs: dict | None = None) -> None:
+    """Give ``module`` a class ``<prefix><X>`` of ``mixin`` ahead of its own class ``X`` (``attrs``
+    its class attributes), defined in module ``home`` (picklable by name: dynamo's guards of a graph
+    kept on disk name the classes they check). An FSDP2 unit's class is ``FSDP<X>`` of
+    ``FSDPModule`` and ``X``, kept in fully_shard's class mapping, where dynamo's guards look it up:
+    the mixin goes under it, as ``FSDP<prefix><X>`` of ``FSDPModule`` and the mixed class, mapped
+    as fully_shard maps its own (a class of the mixin over ``FSDP<X>`` is in no mapping: a compiled
+    layer's guards then fail to save)."""
+    from torch.distributed.fsdp._fully_shard._fully_shard import get_cls_to_fsdp_cls
+
+    cls = type(module)
+    unit = isinstance(module, FSDPModule)
+    base = cls.__mro__[2] if unit else cls  # fully_shard's (FSDP<X>, FSDPModule, X)
+    name = prefix + base.__name__
+    mixed = _MIXED.get((mixin, base))
+    if mixed is None:
+        mixed = _MIXED[(mixin, base)] = type(name, (mixin, base), {"__module__": home.__name__, **(attrs or {})})
+        setattr(home, name, mixed)
+    if unit:
+        classes = get_cls_to_fsdp_cls()
+        if mixed not in classes:
+            # (fully_shard's class dict: its __deepcopy__ that refuses)
+            own = {k: v for k, v in vars(cls).items() if k == "__deepcopy__"}
+            classes[mixed] = type(f"FSDP{name}", (FSDPModule, mixed), own)
+        mixed = classes[mixed]
+    module.__class__ = mixed
 
 
 # process groups and the elastic rendezvous

@@ -231,16 +231,20 @@ def test_compiled_decode_of_a_stateful_model_equals_eager_on_2_ranks(tmp_path):
     most decode steps compiled (a batch of 3 padded to 4, its padding row's states in the pool's
     scratch slot, nobody's), a graph per size of each kind of layer (convolution, attention) shared
     by the layers of the kind (each layer's states its graph's input), nothing compiled after the
-    warm-up; the steps that carry a prompt chunk, or a sequence's first state, run eagerly."""
+    warm-up; the steps that carry a prompt chunk, or a sequence's first state, run eagerly. RWKV-4
+    too, whose stateful modules are its blocks, FSDP2's units: the engine's classes go under
+    FSDP2's (``shard_engine.torch_private.mix_into_class``), where dynamo's guards look a unit's
+    class up; a graph each for its first block, and for each factor of its eval rescaling."""
     from tests.test_families import _write
 
-    paths = {"lfm2": _write("lfm2", tmp_path / "lfm2")}
+    paths = {family: _write(family, tmp_path / family) for family in ("lfm2", "rwkv")}
     for by_family in values(run_ranks(_decode_eager_and_compiled, 2, tmp_path, paths, "layer", timeout=600)):
-        got = by_family["lfm2"]
-        assert got["errors"] == [None] * 5 and got["compiled"] == got["eager"], got
-        assert got["compiled_after_warm_up"] == 0 and got["graphs_compiled"] == 6, got
-        assert got["compiled_steps"] > got["steps"] // 2 and got["padded_rows"] > 0, got
-        assert {1, 2, 4, 5} <= set(got["batches"]) and got["every_step_fit_a_graph"], got
+        for family, graphs in (("lfm2", 6), ("rwkv", 9)):
+            got = by_family[family]
+            assert got["errors"] == [None] * 5 and got["compiled"] == got["eager"], (family, got)
+            assert got["compiled_after_warm_up"] == 0 and got["graphs_compiled"] == graphs, (family, got)
+            assert got["compiled_steps"] > got["steps"] // 2 and got["padded_rows"] > 0, (family, got)
+            assert {1, 2, 4, 5} <= set(got["batches"]) and got["every_step_fit_a_graph"], (family, got)
 
 
 STATEFUL_COMPILED = ["qwen3_next", "falcon_h1", "mamba", "jamba@model", "kimi_linear", "minimax", "zamba2",

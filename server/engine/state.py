@@ -427,33 +427,35 @@ class _PerSequenceState:
         return (list(result) if self._per_token_tuple else [result[0]]), True
 
 
-_CLASSES: dict[type, type] = {}
+def _per_sequence(cls: type) -> bool:
+    return issubclass(cls, _PerSequenceState)
 
 
 def stateful(model: nn.Module) -> bool:
     """Whether :func:`install` gave any module of ``model`` per-sequence state."""
-    return any(type(m) in _CLASSES.values() for m in model.modules())
+    return any(_per_sequence(type(m)) for m in model.modules())
 
 
 def install(model: nn.Module) -> int:
     """Give every stateful module of ``model`` (one with a ``layer_idx`` whose forward reads a conv or
     recurrent state from its cache) the per-sequence forward; returns how many it has (those an
-    earlier call gave it included)."""
+    earlier call gave it included). A stateful module that is an FSDP2 unit (RWKV's blocks) gets it
+    under FSDP2's class (``shard_engine.torch_private.mix_into_class``)."""
+    import sys
+
+    from shard_engine.torch_private import mix_into_class
+
     adapt_own_state(model)
     count = 0
     for module in model.modules():
         cls = type(module)
-        if cls in _CLASSES.values():
+        if _per_sequence(cls):
             count += 1
             continue
         if not isinstance(getattr(module, "layer_idx", None), int) or not _uses_state(cls):
             continue
-        if cls not in _CLASSES:
-            name = f"PerSequence{cls.__name__}"
-            _CLASSES[cls] = type(name, (_PerSequenceState, cls), {
-                "__module__": __name__, "_continues_one_token_at_a_time": _scans_from_zero(cls),
-                "_per_token_tuple": cls.__name__ in PER_TOKEN_TUPLE_CLASSES})
-            globals()[name] = _CLASSES[cls]
-        module.__class__ = _CLASSES[cls]
+        mix_into_class(module, _PerSequenceState, "PerSequence", sys.modules[__name__], {
+            "_continues_one_token_at_a_time": _scans_from_zero(cls),
+            "_per_token_tuple": any(c.__name__ in PER_TOKEN_TUPLE_CLASSES for c in cls.__mro__)})
         count += 1
     return count

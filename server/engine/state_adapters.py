@@ -218,7 +218,6 @@ ADAPTERS: dict[str, tuple[type, bool]] = {
 """transformers' class name -> (its adapter, whether it is a stateful module: it gets a ``layer_idx``)."""
 ADAPTED_STATE_MODEL_TYPES = frozenset({"recurrent_gemma", "xlstm", "rwkv"})
 """The families :func:`adapt` adapts (each tested with ``server.engine.state``)."""
-_ADAPTED: dict[type, type] = {}
 
 
 def _layer_of(module: nn.Module, cache) -> int | None:
@@ -232,30 +231,29 @@ def _original(cls: type) -> type:
     return next(c for c in cls.__mro__ if c.__name__ in ADAPTERS)
 
 
-def _transformers_class(cls: type) -> str | None:
-    """The name in :data:`ADAPTERS` of ``cls`` or of the class it wraps (FSDP2's ``FSDPxLSTMForCausalLM``)."""
-    return next((c.__name__ for c in cls.__mro__ if c.__name__ in ADAPTERS), None)
+def _adapted(cls: type) -> bool:
+    return any(c.__dict__.get("hsdp_adapter") for c in cls.__mro__)
 
 
 def adapt(model: nn.Module) -> int:
-    """Mix the adapter of :data:`ADAPTERS` into each module of ``model`` of an adapted class; returns
-    how many modules carry one."""
+    """Mix the adapter of :data:`ADAPTERS` into each module of ``model`` of an adapted class
+    (``shard_engine.mix_into_class``: under FSDP2's class where the module is a unit); returns how
+    many modules carry one."""
+    from shard_engine.torch_private import mix_into_class
+
     count = 0
     for name, module in model.named_modules():
         cls = type(module)
-        if any(c in _ADAPTED.values() for c in cls.__mro__):  # (also once state.install has wrapped it)
+        if _adapted(cls):  # (also once state.install has mixed in its own)
             count += 1
             continue
-        original = _transformers_class(cls)
+        original = next((c.__name__ for c in cls.__mro__ if c.__name__ in ADAPTERS), None)
         if original is None:
             continue
         adapter, stateful = ADAPTERS[original]
         if stateful:
             module.layer_idx = next(int(p) for p in reversed(name.split(".")) if p.isdigit())
-        if cls not in _ADAPTED:
-            _ADAPTED[cls] = type(f"Engine{cls.__name__}", (adapter, cls), {"__module__": __name__})
-            globals()[_ADAPTED[cls].__name__] = _ADAPTED[cls]
-        module.__class__ = _ADAPTED[cls]
+        mix_into_class(module, adapter, "Engine", sys.modules[__name__], {"hsdp_adapter": True})
         if hasattr(adapter, "prepare"):
             adapter.prepare(module)
         count += 1
