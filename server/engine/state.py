@@ -8,10 +8,9 @@ mixers of Mamba, Jamba, Bamba, Granite-4 hybrid, Nemotron-H and Falcon-H1) keep 
 per sequence in their cache, through one interface: ``get_conv_state`` / ``update_conv_state`` /
 ``get_recurrent_state`` / ``update_recurrent_state`` / ``is_recording_past``, the semantics of
 ``transformers.cache_utils.LinearAttentionLayer``. (RecurrentGemma's recurrent blocks keep theirs in
-attributes of their own, xLSTM's layers take theirs as an argument: :mod:`server.engine.state_adapters`
-gives them the same interface.) Their code
-assumes a batch of sequences of equal length; the engine packs sequences of every length into one
-row. So:
+attributes of their own, xLSTM's layers and RWKV's blocks take theirs as an argument:
+:mod:`server.engine.state_adapters` gives them the same interface.) Their code assumes a batch of
+sequences of equal length; the engine packs sequences of every length into one row. So:
 
 * :class:`StatePool` holds, per stateful layer and state, one tensor of slots ``[slots, ...]``
   (one sequence's state shape: :func:`state_shapes` learns it from the model's own code on the
@@ -45,6 +44,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 
 import torch
 from torch import nn
@@ -55,9 +55,9 @@ MAX_STATES = 5
 """State indices a layer may use (``state_idx``): transformers' hybrids use 0 (and 1 for a second
 convolution in some); xLSTM's layers 0-2 and RWKV's blocks 0-4 (``server.engine.state_adapters``)."""
 SERVED_STATEFUL_MODEL_TYPES = frozenset({
-    "lfm2", "lfm2_moe", "lfm3", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1",
-    "mamba", "falcon_mamba", "jamba", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid", "lara_mini",
-    "minimax", "zamba", "zamba2", "recurrent_gemma", "zaya", "xlstm", "rwkv",
+    "lfm2", "lfm2_moe", "lfm3", "qwen3_next", "olmo_hybrid", "mamba2", "bamba", "granitemoehybrid", "nemotron_h",
+    "falcon_h1", "mamba", "falcon_mamba", "jamba", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid",
+    "lara_mini", "minimax", "zamba", "zamba2", "recurrent_gemma", "zaya", "xlstm", "rwkv",
 })
 """Stateful families the engine serves (each tested against transformers' generate)."""
 OWN_CACHE_MODEL_TYPES = frozenset({"minimax"})
@@ -441,8 +441,6 @@ def install(model: nn.Module) -> int:
     recurrent state from its cache) the per-sequence forward; returns how many it has (those an
     earlier call gave it included). A stateful module that is an FSDP2 unit (RWKV's blocks) gets it
     under FSDP2's class (``shard_engine.torch_private.mix_into_class``)."""
-    import sys
-
     from shard_engine.torch_private import mix_into_class
 
     adapt_own_state(model)
