@@ -9,8 +9,8 @@ without a server (the parsers, the config, the response class).
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import socket
 import subprocess
 import sys

@@ -44,7 +44,7 @@ import sys
 import torch
 from torch import nn
 
-from server.engine.attention import LayerPools, PagedKVCache, paged_attention
+from server.engine.attention import PagedKVCache, is_paged, paged_attention
 
 ADAPTED_MODEL_TYPES = frozenset({"bloom", "mpt", "falcon"})
 """Model types whose attention modules :func:`install` adapts to the paged engine."""
@@ -52,10 +52,6 @@ POOLS_KEYWORD = "hsdp_pools_keyword"
 """The attribute :func:`install` sets on a decoder layer holding an adapted attention: the keyword
 its forward passes the cache down by (these blocks keep their other keywords from the attention, so
 a compiled layer's pools go down in place of the cache: ``server.engine.compiled``)."""
-
-
-def _paged(cache) -> bool:
-    return isinstance(cache, (PagedKVCache, LayerPools)) and cache.layout is not None
 
 
 def _slopes(module: nn.Module, make) -> torch.Tensor:
@@ -72,7 +68,7 @@ class _PagedBloomAttention:
     def forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
                 output_attentions=False, **kwargs):
         cache = layer_past if layer_past is not None else kwargs.get("cache")
-        if not _paged(cache):
+        if not is_paged(cache):
             return super().forward(hidden_states, residual, alibi, attention_mask, layer_past=layer_past,
                                    use_cache=use_cache, output_attentions=output_attentions, **kwargs)
         bloom = sys.modules[type(self).__bases__[1].__module__]
@@ -90,7 +86,7 @@ class _PagedMptAttention:
     """MPT's attention over the paged cache (mixed into ``MptAttention`` by :func:`install`)."""
 
     def forward(self, hidden_states, position_bias, cache=None, attention_mask=None, **kwargs):
-        if not _paged(cache):
+        if not is_paged(cache):
             return super().forward(hidden_states, position_bias, cache=cache, attention_mask=attention_mask, **kwargs)
         mpt = sys.modules[type(self).__bases__[1].__module__]
         batch, length, _ = hidden_states.shape
@@ -130,7 +126,7 @@ class _PagedFalconAttention:
 
     def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None, use_cache=False,
                 output_attentions=False, position_embeddings=None, **kwargs):
-        if not _paged(layer_past):
+        if not is_paged(layer_past):
             return super().forward(hidden_states, alibi, attention_mask, position_ids=position_ids,
                                    layer_past=layer_past, use_cache=use_cache, output_attentions=output_attentions,
                                    position_embeddings=position_embeddings, **kwargs)

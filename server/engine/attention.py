@@ -288,6 +288,12 @@ class LayerPools:
         return _write_step(layer_idx, self.layout, key_states, value_states, *self.pools)
 
 
+def is_paged(cache) -> bool:
+    """Whether ``cache`` is the engine's (a rank's :class:`PagedKVCache`, or a compiled layer's
+    :class:`LayerPools`) with a step's layout: a forward inside an engine step, not a plain call."""
+    return isinstance(cache, (PagedKVCache, LayerPools)) and cache.layout is not None
+
+
 def _write_latent_step(layer, layout: PagedLayout, key_states, keys, value_dim: int):
     """An MLA layer's step ([1, 1, T, d]: latents and rope keys side by side) into its one pool;
     returns the pool and its values (its first ``value_dim``: the latents), a view."""

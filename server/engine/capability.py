@@ -28,8 +28,8 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "atten
 
 STATEFUL_MODEL_TYPES = frozenset({
     "mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "granitemoehybrid",
-    "lfm2", "lfm2_moe", "lfm3", "recurrent_gemma", "rwkv", "qwen3_next", "nemotron_h", "minimax", "xlstm", "qwen3_5_text",
-    "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid", "lara_mini", "zaya", "glm5_next_text",
+    "lfm2", "lfm2_moe", "lfm3", "recurrent_gemma", "rwkv", "qwen3_next", "nemotron_h", "minimax", "xlstm",
+    "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid", "lara_mini", "zaya", "glm5_next_text",
 })
 """Families whose layers carry recurrent or convolution state (state-space models and hybrids)."""
 

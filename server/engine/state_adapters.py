@@ -94,9 +94,9 @@ class _PagedXLSTM:
     def forward(self, input_ids=None, inputs_embeds=None, cache=None, labels=None, use_cache=None, **kwargs):
         from transformers.modeling_utils import slice_logits_to_keep
 
-        from server.engine.attention import PagedKVCache
+        from server.engine.attention import is_paged
 
-        if not isinstance(cache, PagedKVCache) or cache.layout is None or labels is not None:
+        if not is_paged(cache) or labels is not None:
             return super().forward(input_ids=input_ids, inputs_embeds=inputs_embeds, cache=cache, labels=labels,
                                    use_cache=use_cache, **kwargs)
         backbone = self.backbone
@@ -190,10 +190,10 @@ class _PagedRwkv:
                 use_cache=None, **kwargs):
         from transformers.modeling_utils import slice_logits_to_keep
 
-        from server.engine.attention import PagedKVCache
+        from server.engine.attention import is_paged
 
         cache = kwargs.pop("cache", None)
-        if not isinstance(cache, PagedKVCache) or cache.layout is None or labels is not None:
+        if not is_paged(cache) or labels is not None:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                                    state=state, labels=labels, use_cache=use_cache, **kwargs)
         rwkv, every = self.rwkv, self.config.rescale_every
@@ -226,13 +226,13 @@ def _layer_of(module: nn.Module, cache) -> int | None:
     return cache.layer_idx if hasattr(cache, "layer_idx") else module.layer_idx
 
 
-def _original(cls: type) -> type:
-    """The transformers class an adapted class adapts."""
-    return next(c for c in cls.__mro__ if c.__name__ in ADAPTERS)
+def _original(cls: type) -> type | None:
+    """The transformers class of :data:`ADAPTERS` that ``cls`` is or adapts (None: none)."""
+    return next((c for c in cls.__mro__ if c.__name__ in ADAPTERS), None)
 
 
 def _adapted(cls: type) -> bool:
-    return any(c.__dict__.get("hsdp_adapter") for c in cls.__mro__)
+    return issubclass(cls, tuple(adapter for adapter, _ in ADAPTERS.values()))
 
 
 def adapt(model: nn.Module) -> int:
@@ -247,13 +247,13 @@ def adapt(model: nn.Module) -> int:
         if _adapted(cls):  # (also once state.install has mixed in its own)
             count += 1
             continue
-        original = next((c.__name__ for c in cls.__mro__ if c.__name__ in ADAPTERS), None)
+        original = _original(cls)
         if original is None:
             continue
-        adapter, stateful = ADAPTERS[original]
+        adapter, stateful = ADAPTERS[original.__name__]
         if stateful:
             module.layer_idx = next(int(p) for p in reversed(name.split(".")) if p.isdigit())
-        mix_into_class(module, adapter, "Engine", sys.modules[__name__], {"hsdp_adapter": True})
+        mix_into_class(module, adapter, "Engine", sys.modules[__name__])
         if hasattr(adapter, "prepare"):
             adapter.prepare(module)
         count += 1
